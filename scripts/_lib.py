@@ -1,0 +1,125 @@
+"""Shared helpers for the scripts: the pin, the cache, and a failure that reads as a sentence."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PINS = ROOT / "pins"
+BUILD = ROOT / "build"
+CHECKOUT = BUILD / "vllm"
+OVERLAY = ROOT / "vllm_overlay"
+PATCHES = ROOT / "patches"
+VENV = ROOT / ".venv"
+TARGETS = ("cpu", "cuda")
+
+
+class UserError(Exception):
+    """A failure the user can act on; main() prints it as one sentence, no traceback."""
+
+
+def say(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+def run_main(fn) -> None:
+    try:
+        fn()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def vllm_version() -> str:
+    return os.environ.get("VLLM_VERSION") or "0.22.1"
+
+
+def target() -> str:
+    t = os.environ.get("TARGET") or "cpu"
+    if t not in TARGETS:
+        raise UserError(f"unknown TARGET={t!r}; valid targets: {', '.join(TARGETS)}")
+    return t
+
+
+def load_pin(version: str | None = None) -> dict:
+    version = version or vllm_version()
+    path = PINS / f"vllm-{version}.toml"
+    if not path.exists():
+        known = sorted(p.stem.removeprefix("vllm-") for p in PINS.glob("vllm-*.toml"))
+        raise UserError(
+            f"no pin for VLLM_VERSION={version} (no {path.relative_to(ROOT)}); "
+            f"pinned versions: {', '.join(known)}. To try another release, copy a pin "
+            f"file to pins/vllm-<version>.toml and fill in its artifact hashes"
+        )
+    with path.open("rb") as f:
+        pin = tomllib.load(f)
+    pin["pin_file"] = path
+    return pin
+
+
+def cache_dir() -> Path:
+    """Downloads live outside the clone so fresh clones on one machine share them."""
+    env = os.environ.get("VLLM_HMA_CACHE")
+    if env:
+        d = Path(env)
+    else:
+        d = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-hma-tiering"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sh(cmd: list, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("check", True)
+    return subprocess.run([str(c) for c in cmd], **kw)
+
+
+def git(*args, cwd: Path = CHECKOUT, capture: bool = True, check: bool = True) -> str:
+    env = dict(os.environ)
+    # Commits made by the scripts are reproducible: same author, same date.
+    env.update(
+        GIT_AUTHOR_NAME=env.get("GIT_AUTHOR_NAME", "vllm-hma-tiering"),
+        GIT_AUTHOR_EMAIL=env.get("GIT_AUTHOR_EMAIL", "vllm-hma-tiering@localhost"),
+        GIT_COMMITTER_NAME="vllm-hma-tiering",
+        GIT_COMMITTER_EMAIL="vllm-hma-tiering@localhost",
+        GIT_COMMITTER_DATE="2026-01-01T00:00:00+00:00",
+    )
+    r = subprocess.run(
+        ["git", *args], cwd=cwd, env=env, text=True,
+        stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.PIPE if capture else None,
+    )
+    if check and r.returncode != 0:
+        raise UserError(f"git {' '.join(args)} failed in {cwd}: {(r.stderr or '').strip()}")
+    return (r.stdout or "").strip()
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.elapsed = time.monotonic() - self.t0
+
+
+def checkout_dir(version: str | None = None) -> Path:
+    """build/vllm for the pinned release; build/vllm-<version> when VLLM_VERSION differs."""
+    version = version or vllm_version()
+    return CHECKOUT if version == "0.22.1" else BUILD / f"vllm-{version}"

@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Build build/unpatched-site/: the installed vllm package with our changes taken out again.
+
+Put it first on PYTHONPATH to run anything against pristine upstream with the same .venv:
+    PYTHONPATH=$(python3 scripts/unpatched_site.py) .venv/bin/python ...
+Files are hard links to the installed package, except those the series touches.
+"""
+
+import json
+import os
+import shutil
+
+from _lib import BUILD, VENV, UserError, checkout_dir, load_pin, run_main, say
+from sync_site import MANIFEST, pristine_blob, site_packages
+
+UNPATCHED = BUILD / "unpatched-site"
+
+
+def build() -> str:
+    pin = load_pin()
+    repo = checkout_dir(pin["version"])
+    manifest = VENV / MANIFEST
+    if not manifest.exists():
+        raise UserError("the environment has no patched files recorded; run `make apply` first")
+    shutil.rmtree(UNPATCHED, ignore_errors=True)
+    UNPATCHED.mkdir(parents=True)
+    src = site_packages() / "vllm"
+    shutil.copytree(src, UNPATCHED / "vllm", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for path in json.loads(manifest.read_text()):
+        dest = UNPATCHED / path
+        dest.unlink(missing_ok=True)  # a hard link: never write through it
+        blob = pristine_blob(repo, pin["tag"], path)
+        if blob is not None:
+            dest.write_bytes(blob)
+    return str(UNPATCHED)
+
+
+def main() -> None:
+    path = build()
+    say(f"pristine vLLM {load_pin()['version']} importable from {path}")
+    print(path)
+
+
+if __name__ == "__main__":
+    run_main(main)
