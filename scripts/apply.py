@@ -84,6 +84,10 @@ def check_no_local_work(repo: Path, tag: str) -> None:
         )
 
 
+def head(repo: Path) -> str:
+    return git("rev-parse", "HEAD", cwd=repo)
+
+
 def conflicting_files(output: str) -> list[str]:
     files = re.findall(r"(?:patch failed|does not exist in index|already exists in index): ([^:\n]+)", output)
     return sorted(set(files))
@@ -96,8 +100,7 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
         say(f"applying {p.name}")
         out = git("am", "-q", "--3way", "--committer-date-is-author-date", str(p),
                   cwd=repo, check=False)
-        r = git("rev-parse", "-q", "--verify", "REBASE_HEAD", cwd=repo, check=False)
-        if r:  # git am stopped: this patch does not apply
+        if (repo / ".git" / "rebase-apply").exists():  # git am stopped on this patch
             unmerged = git("diff", "--name-only", "--diff-filter=U", cwd=repo, check=False)
             am_out = git("am", "--show-current-patch=diff", cwd=repo, check=False)
             files = unmerged.split() or conflicting_files(out + am_out)
@@ -122,8 +125,9 @@ def main() -> None:
         if not (repo / ".git").exists():
             create_pristine(pin, repo)
         state = repo / ".git" / STATE
-        if state.exists() and state.read_text().split()[0] == digest:
-            check_no_local_work(repo, tag)
+        if state.exists() and state.read_text().split() == [digest, head(repo)] and not git(
+            "status", "--porcelain", cwd=repo
+        ):
             say(f"{repo.name}: {len(patches)} patch(es) on {tag}, already applied")
             return
         check_no_local_work(repo, tag)

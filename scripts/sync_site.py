@@ -8,7 +8,6 @@ written against the sdist, so a wheel that differs there would silently get the 
 """
 
 import json
-import sysconfig
 from pathlib import Path
 
 from _lib import VENV, UserError, checkout_dir, git, load_pin, run_main, say

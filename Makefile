@@ -1,0 +1,45 @@
+# Entry points. Every target prints what it does; `make help` lists them.
+# TARGET=cpu|cuda selects the vLLM build for .venv; VLLM_VERSION=x.y.z another pin.
+PY ?= python3
+S := $(PY) scripts
+
+.DEFAULT_GOAL := help
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu clean
+
+help: ## list the targets
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
+
+apply: checkout env ## fetch + verify vLLM, build build/vllm with patches/, build .venv (patched)
+
+checkout: ## build/vllm: pristine tag + one commit per patch (idempotent; FORCE=1 discards local work)
+	@$(S)/apply.py
+
+env: ## .venv for TARGET (cpu default, cuda for GPU runners), importing the patched vLLM
+	@$(S)/make_env.py
+
+test: check ## all tests, offline: project, regression, upstream, e2e (CI size); one summary
+	@$(S)/run_tests.py
+
+test-unpatched: ## the regression tests against pristine vLLM: shows them failing (exits non-zero)
+	@$(S)/run_tests.py --unpatched
+
+check: ## patches/ and vllm_overlay/ agree, and .venv holds the patched files
+	@$(S)/check_sync.py
+
+patches: ## export build/vllm's commits to patches/ and regenerate vllm_overlay/
+	@$(S)/export_patches.py
+
+lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches
+	@$(S)/lint.py
+
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix
+	@.venv/bin/python e2e/run_plan.py --matrix
+
+e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes
+	@.venv/bin/python e2e/run_plan.py --unpatched
+
+e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
+	@.venv/bin/python e2e/run_plan.py --gpu
+
+clean: ## remove build/ and .venv (the download cache stays)
+	rm -rf build .venv

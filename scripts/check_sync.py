@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Fail when patches/ and vllm_overlay/ disagree, or .venv does not hold the patched files.
+
+patches/ is applied to the pristine tag in a scratch git index (the checkout's objects,
+not its work tree), and every file it yields must equal vllm_overlay/ byte for byte, with
+no extra file on either side.
+"""
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from _lib import OVERLAY, VENV, UserError, checkout_dir, load_pin, run_main, say
+from apply import series
+from sync_site import MANIFEST, site_packages
+
+
+def series_files(repo: Path, tag: str) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+
+        def git(*args, **kw):
+            return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, **kw)
+
+        git("read-tree", tag, check=True)
+        for p in series():
+            r = git("apply", "--cached", str(p), text=True)
+            if r.returncode != 0:
+                raise UserError(f"patches/{p.name} does not apply on {tag}: {r.stderr.strip()}")
+        names = git("diff", "--cached", "--name-only", "--no-renames", tag, text=True,
+                    check=True).stdout.split()
+        return {n: git("show", f":{n}", check=True).stdout for n in names}
+
+
+def main() -> None:
+    pin = load_pin()
+    repo = checkout_dir(pin["version"])
+    if not (repo / ".git").exists():
+        raise UserError(f"no checkout at {repo}; run `make apply` first")
+    expected = series_files(repo, pin["tag"])
+    actual = {str(p.relative_to(OVERLAY)): p.read_bytes()
+              for p in OVERLAY.rglob("*") if p.is_file()}
+    problems = [f"{n}: in patches/, missing from vllm_overlay/" for n in expected.keys() - actual.keys()]
+    problems += [f"{n}: in vllm_overlay/, not in patches/" for n in actual.keys() - expected.keys()]
+    problems += [f"{n}: differs between patches/ and vllm_overlay/"
+                 for n in expected.keys() & actual.keys() if expected[n] != actual[n]]
+    if problems:
+        raise UserError(
+            "patches/ and vllm_overlay/ disagree:\n  " + "\n  ".join(sorted(problems))
+            + "\nEdit in build/vllm, commit, and run `make patches` (it regenerates both)"
+        )
+    say(f"patches/ ({len(series())} patches) and vllm_overlay/ ({len(actual)} files) agree")
+    if (VENV / MANIFEST).exists():
+        sp = site_packages()
+        stale = [n for n in expected if n.startswith("vllm/")
+                 and (not (sp / n).exists() or (sp / n).read_bytes() != expected[n])]
+        if stale:
+            raise UserError(f".venv does not hold the patched {', '.join(stale)}; run `make apply`")
+        say(".venv holds the patched files")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,68 @@
+"""pytest plugin for vLLM's tests run by this project (scripts/run_tests.py loads it).
+
+1. The session aborts at start unless the imported vllm is the patched one: every
+   vllm/ file of vllm_overlay/ must be byte-identical to the module Python imports.
+   (HMA_UNPATCHED=1, set by `make test-unpatched`, expects pristine instead.)
+2. Tests that cannot run on this machine are skipped with a visible reason, never dropped.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
+ASSERTION = "assert len(self.gpu_block_size) == 1"
+
+
+def _module_file(rel: Path) -> Path | None:
+    mod = ".".join(rel.with_suffix("").parts)
+    mod = mod.removesuffix(".__init__")
+    spec = importlib.util.find_spec(mod)
+    return Path(spec.origin) if spec and spec.origin else None
+
+
+def pytest_sessionstart(session):
+    unpatched = os.environ.get("HMA_UNPATCHED") == "1"
+    spec_file = _module_file(Path("vllm/v1/kv_offload/tiering/spec.py"))
+    has_assert = ASSERTION in spec_file.read_text()
+    if unpatched:
+        if not has_assert:
+            pytest.exit(f"expected pristine vLLM, but {spec_file} lacks `{ASSERTION}`", 3)
+        return
+    if has_assert:
+        pytest.exit(
+            f"the imported vLLM is not patched: {spec_file} still has `{ASSERTION}`. "
+            "Run `make apply`.", 3)
+    for src in sorted((OVERLAY / "vllm").rglob("*.py")):
+        rel = src.relative_to(OVERLAY)
+        imported = _module_file(rel)
+        if imported is None or imported.read_bytes() != src.read_bytes():
+            pytest.exit(
+                f"the imported vLLM is not the patched one: {imported or rel} differs from "
+                f"vllm_overlay/{rel}. Run `make apply`.", 3)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# nodeid prefix -> (condition under which it cannot run here, reason)
+NOT_RUNNABLE = {
+    "tests/v1/kv_offload/cpu/test_gpu_worker.py": (
+        lambda: not _cuda(), "needs CUDA: CpuGpuOffloadingHandlers copy with CUDA streams"),
+    "tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_offloading": (
+        lambda: not _cuda(), "needs CUDA handlers and model weights from the hub"),
+    "tests/v1/kv_connector/unit/test_offloading_connector.py::test_fs_tiering_offloading": (
+        lambda: not _cuda(), "needs CUDA handlers and model weights from the hub"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for prefix, (cond, reason) in NOT_RUNNABLE.items():
+            if item.nodeid.startswith(prefix) and cond():
+                item.add_marker(pytest.mark.skip(reason=f"cannot run here: {reason}"))
