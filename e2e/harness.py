@@ -57,7 +57,7 @@ def log_tail(path: Path, n: int = 40) -> str:
 class Server:
     """`vllm serve` in its own process group; always stop() it (use as a context manager)."""
 
-    model_path: Path
+    model_path: Path | str
     log_path: Path
     kv_transfer_config: dict | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -65,6 +65,7 @@ class Server:
     env: dict = field(default_factory=dict)
     start_timeout: float = 600.0
     served_name: str = "tiny"
+    online: bool = False  # True only for hub models on GPU runners
 
     def __post_init__(self):
         self.port = free_port()
@@ -89,8 +90,10 @@ class Server:
 
     def __enter__(self):
         env = dict(os.environ)
-        env.update({"PYTHONHASHSEED": HASH_SEED, "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        if not self.online:
+            env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                        "HF_DATASETS_OFFLINE": "1"})
+        env.update({"PYTHONHASHSEED": HASH_SEED,
                     "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         env.update(self.env)
@@ -183,27 +186,37 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def run_lm_eval(server: Server, tokenizer: Path, task_dir: Path, out_dir: Path,
-                num_concurrent: int, log_path: Path, limit: int | None = None) -> dict[int, list]:
-    """Run lm_eval local-completions against the server; return {doc_id: resps}."""
+def run_lm_eval(server: Server, tokenizer: Path | str, task_dir: Path | None, out_dir: Path,
+                num_concurrent: int, log_path: Path, limit: int | None = None,
+                task: str = TASK, results: dict | None = None) -> dict[int, list]:
+    """Run lm_eval local-completions against the server; return {doc_id: resps}.
+
+    If `results` is given, it receives the task's metrics from lm_eval's results file."""
     model_args = ",".join([
         f"base_url={server.base}/v1/completions", f"model={server.served_name}",
         f"tokenizer={tokenizer}", "tokenizer_backend=huggingface", "tokenized_requests=False",
         f"num_concurrent={num_concurrent}", "max_retries=1", "timeout=600", "max_length=2048"])
     cmd = [str(LM_EVAL), "run", "--model", "local-completions", "--model_args", model_args,
-           "--tasks", TASK, "--include_path", str(task_dir), "--gen_kwargs", "temperature=0",
+           "--tasks", task, "--gen_kwargs", "temperature=0",
            "--log_samples", "--output_path", str(out_dir), "--seed", "0"]
+    if task_dir is not None:
+        cmd += ["--include_path", str(task_dir)]
     if limit:
         cmd += ["--limit", str(limit)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if task_dir is not None:  # local task and tokenizer: never touch the hub
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with open(log_path, "w") as lf:
         lf.write("$ " + " ".join(cmd) + "\n")
         lf.flush()
         rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         raise E2EError(f"lm_eval failed (exit {rc}); see {log_path}:\n{log_tail(log_path, 25)}")
-    files = sorted(out_dir.rglob(f"samples_{TASK}_*.jsonl"))
+    if results is not None:
+        res = sorted(out_dir.rglob("results_*.json"))
+        if res:
+            results.update(json.loads(res[-1].read_text())["results"].get(task, {}))
+    files = sorted(out_dir.rglob(f"samples_{task}_*.jsonl"))
     if not files:
         raise E2EError(f"lm_eval wrote no samples file under {out_dir}; see {log_path}")
     samples = {}

@@ -11,8 +11,9 @@ Models (name: what it exercises):
   gemma3    Gemma-3 style: 3 sliding (window 32) + 1 full attention layer -> several KV cache groups
   gemma4    Gemma-4 style: sliding head_dim 32, full global_head_dim 64 -> groups with different
             block sizes. transformers 5.24 stores the full-layer head size as `per_layer_config`
-            and drops `global_head_dim`, which vLLM 0.22.1 reads; the runner passes it back with
-            --hf-overrides (see MODELS[...]["serve_args"]).
+            (then config.head_dim raises) and drops `global_head_dim`, which vLLM 0.22.1 reads;
+            the config is saved without per-layer entries and the runner passes
+            global_head_dim with --hf-overrides (see MODELS[...]["serve_args"]).
   gptoss    GPT-OSS style: sliding + full attention with sinks, MoE
   llama     plain Llama: a single KV cache group (control)
 """
@@ -75,8 +76,7 @@ def make_config(name: str):
     elif name == "gptoss":
         c = tf.GptOssConfig(**{**common, "tie_word_embeddings": False}, num_hidden_layers=4,
                             head_dim=32, sliding_window=32, num_local_experts=4,
-                            num_experts_per_tok=2,
-                            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+                            num_experts_per_tok=2,  # default yarn rope: vLLM reads its factor
                             layer_types=["sliding_attention", "full_attention"] * 2)
         c.architectures = ["GptOssForCausalLM"]
     elif name == "llama":
@@ -105,8 +105,12 @@ def make_model(name: str, out: Path, tokenizer) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if name == "gemma4":
-        # transformers 5.24 pops global_head_dim into per_layer_config; keep it visible too
+        # transformers 5.24 turns global_head_dim into per_layer_config (full layers: head_dim
+        # 64), and then raises AmbiguousGlobalPerLayerAttributeError when vLLM 0.22.1 reads
+        # config.head_dim. Save the weights made that way, but a config without per-layer
+        # entries; vLLM gets global_head_dim back through --hf-overrides (MODELS["gemma4"]).
         cj = json.loads((path / "config.json").read_text())
+        cj["per_layer_config"] = {}
         cj["global_head_dim"] = 64
         (path / "config.json").write_text(json.dumps(cj, indent=2))
     n_params = sum(p.numel() for p in model.parameters())

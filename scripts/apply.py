@@ -96,6 +96,7 @@ def conflicting_files(output: str) -> list[str]:
 def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
     git("reset", "-q", "--hard", tag, cwd=repo)
     git("clean", "-q", "-fdx", "-e", "__pycache__", cwd=repo)
+    failed: list[str] = []
     for p in patches:
         say(f"applying {p.name}")
         out = git("am", "-q", "--3way", "--committer-date-is-author-date", str(p),
@@ -107,12 +108,17 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
             if not files:
                 files = sorted(set(re.findall(r"^\+\+\+ b/(\S+)", am_out, re.M)))
             git("am", "--abort", cwd=repo, check=False)
-            git("reset", "-q", "--hard", tag, cwd=repo)
-            raise UserError(
-                f"{p.name} does not apply on {tag}; conflicting files: {', '.join(files)}. "
-                f"The checkout was left at the pristine tag {tag}; port the patch there, "
-                "commit, and run `make patches`"
-            )
+            say(f"  does not apply: {', '.join(files)}")
+            failed.append(f"{p.name} (conflicting files: {', '.join(files)})")
+    if failed:
+        # Report every patch, then leave the pristine tag rather than a half-applied series.
+        git("reset", "-q", "--hard", tag, cwd=repo)
+        raise UserError(
+            f"{len(failed)} of {len(patches)} patch(es) do not apply on {tag}: "
+            + "; ".join(failed)
+            + f". The checkout was left at the pristine tag {tag}; port each patch there, "
+            "commit, and run `make patches`"
+        )
 
 
 def main() -> None:
