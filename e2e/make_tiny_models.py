@@ -14,7 +14,8 @@ Models (name: what it exercises):
             (then config.head_dim raises) and drops `global_head_dim`, which vLLM 0.22.1 reads;
             the config is saved without per-layer entries and the runner passes
             global_head_dim with --hf-overrides (see MODELS[...]["serve_args"]).
-  gptoss    GPT-OSS style: sliding + full attention with sinks, MoE
+  gptoss    GPT-OSS style: sliding + full attention with sinks, MoE (model_type renamed at serve
+            time: see MODELS["gptoss"])
   llama     plain Llama: a single KV cache group (control)
 """
 
@@ -36,7 +37,11 @@ SEED = 0
 MODELS: dict[str, dict] = {
     "gemma3": {"hma": True, "serve_args": []},
     "gemma4": {"hma": True, "serve_args": ["--hf-overrides", json.dumps({"global_head_dim": 64})]},
-    "gptoss": {"hma": True, "serve_args": []},
+    # model_type only selects the harmony chat/responses front-end in vLLM's server, which loads
+    # the o200k vocab from the internet at start-up (HarmonyError offline); completions and the
+    # model itself (unquantized) do not read it. Rename it so the server starts offline.
+    "gptoss": {"hma": True,
+               "serve_args": ["--hf-overrides", json.dumps({"model_type": "gpt_oss_offline"})]},
     "llama": {"hma": False, "serve_args": []},
 }
 

@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,9 @@ SCENARIOS = {
     "small": {"num_concurrent": 1, "small": True},
 }
 CPU_BYTES = 64 << 20          # large CPU tier: holds the whole working set
-SMALL_CPU_ROWS = 48           # small CPU tier: rows (offloaded blocks), below the working set
+SMALL_ROWS_PER_GROUP = 24     # small CPU tier: 24 rows per KV cache group, below the working set
+                              # (~19 prefix blocks per group + 1-2 per document) but above
+                              # what one request needs
 UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
 
 
@@ -110,6 +113,11 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
     c = spec_log_counts(log)
     row["groups"] = c["groups"]
     if kv is not None:
+        fs_root = Path(kv["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"])
+        row["fs_files"] = sum(1 for _ in fs_root.rglob("*.bin"))
+        m = re.search(r"cpu_blocks=(\d+)", c["groups"] or "")
+        row["cpu_blocks"] = int(m.group(1)) if m else "-"
+    if kv is not None:
         row["disk_keys"] = c["promoted_keys"]
     row["dur_s"] = round(time.monotonic() - t0, 1)
     return row
@@ -131,7 +139,8 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
     run_dir.mkdir(parents=True)
     fs_root = run_dir / "fs"
     if sc["small"]:
-        cpu_bytes = SMALL_CPU_ROWS * (cpu_row_bytes or 2048)
+        row_bytes, n_groups = cpu_row_bytes or (2048, 4)
+        cpu_bytes = SMALL_ROWS_PER_GROUP * n_groups * row_bytes
     else:
         cpu_bytes = CPU_BYTES
     rows = []
@@ -181,12 +190,13 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
 
 def print_table(rows: list[dict], path: Path | None = None) -> str:
     hdr = ["model", "scenario", "arm", "samples", "parity", "disk_keys", "cpu_to_gpu_B",
-           "start_s", "dur_s", "verdict"]
+           "cpu_blocks", "fs_files", "start_s", "dur_s", "verdict"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in rows:
         lines.append("| " + " | ".join(str(x) for x in [
             r["model"], r["scenario"], r["arm"], r["samples"], r["parity"], r["disk_keys"],
-            r["cpu_to_gpu_bytes"], r["start_s"], r["dur_s"], r.get("verdict", "-")]) + " |")
+            r["cpu_to_gpu_bytes"], r.get("cpu_blocks", "-"), r.get("fs_files", "-"),
+            r["start_s"], r["dur_s"], r.get("verdict", "-")]) + " |")
     errs = [f"- {r['model']}/{r['scenario']}/{r['arm']}: {r['error']}" for r in rows if r.get("error")]
     groups = {}
     for r in rows:
@@ -245,9 +255,8 @@ def main(argv=None) -> int:
                 if r["arm"] == "noconn" and r["status"] == "ran" and scenario == "base":
                     ref = r
                 if r.get("groups") and row_bytes is None:
-                    import re
-                    m = re.search(r"cpu_row_bytes=(\d+)", r["groups"])
-                    row_bytes = int(m.group(1)) if m else None
+                    m = re.search(r"count=(\d+).*cpu_row_bytes=(\d+)", r["groups"])
+                    row_bytes = (int(m.group(2)), int(m.group(1))) if m else None
             all_rows += rows
             args.out.mkdir(parents=True, exist_ok=True)
             with open(args.out / "results.partial.json", "w") as f:  # progress, if interrupted

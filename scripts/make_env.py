@@ -27,8 +27,9 @@ STAMP = "hma-env.json"
 EXTRA_FOR_CUDA = ["pytest", "tblib", "lm_eval", "ruff==0.14.0"]
 
 
-def wheelhouse(tgt: str) -> Path:
-    d = cache_dir() / "wheelhouse" / tgt
+def wheelhouse() -> Path:
+    """One folder of wheels for both targets: they share torch and most dependencies."""
+    d = cache_dir() / "wheelhouse"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -107,7 +108,7 @@ def build(pin: dict, tgt: str) -> None:
         say(f"creating .venv for TARGET={tgt}")
         sh([sys.executable, "-m", "venv", VENV])
         reqs = requirements(tgt, wheel, lock)
-        install(py, wheelhouse(tgt), reqs)
+        install(py, wheelhouse(), reqs)
         if tgt == "cpu":
             pip(py, "install", "-q", "--no-index", "--no-deps", wheel, check=True)
     say(f".venv installed in {t.elapsed:.0f} s")
