@@ -10,10 +10,8 @@ from apply import STATE, series, series_digest
 
 def export_series(repo, tag: str) -> None:
     if git("status", "--porcelain", cwd=repo):
-        raise UserError(
-            f"{repo} has uncommitted edits; commit them (one commit per concern) before "
-            "`make patches`, or discard them with `make apply FORCE=1`"
-        )
+        say(f"warning: {repo} has uncommitted edits; only commits are exported "
+            "(commit them, one commit per concern, and run `make patches` again)")
     for p in series():
         p.unlink()
     PATCHES.mkdir(exist_ok=True)

@@ -31,11 +31,14 @@ Example configuration:
 }
 """
 
+from mmap import PAGESIZE
+
 import torch
 from typing_extensions import override
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
 from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
@@ -72,6 +75,20 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self.secondary_tier_configs = self.extra_config.get("secondary_tiers", [])
         if not isinstance(self.secondary_tier_configs, list):
             raise ValueError("secondary_tiers must be a list of tier configurations")
+
+        # Secondary tiers copy whole rows of the primary tier. Round each
+        # worker's row area up to the page size, so that rows start and end
+        # on page boundaries (as O_DIRECT needs), whatever the KV layout (e.g.
+        # mamba state or odd head sizes). num_blocks shrinks to keep the
+        # region within cpu_bytes_to_use.
+        if self.secondary_tier_configs:
+            world_size = vllm_config.parallel_config.world_size
+            padded_page_size = cdiv(self.cpu_page_size_per_worker, PAGESIZE) * PAGESIZE
+            if padded_page_size != self.cpu_page_size_per_worker:
+                self.cpu_page_size_per_worker = padded_page_size
+                self.num_blocks = int(self.extra_config["cpu_bytes_to_use"]) // (
+                    padded_page_size * world_size
+                )
 
         # Scheduler-side mmap (rank=None); kept for cleanup
         self._scheduler_mmap: SharedOffloadRegion | None = None
