@@ -92,8 +92,17 @@ def build(pin: dict, tgt: str) -> None:
         "lock_sha256": sha256_of(lock) if lock else None,
     }
     stamp = VENV / STAMP
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
+    have = json.loads(stamp.read_text()) if stamp.exists() else None
+    if have == want:
         say(f".venv: vLLM {pin['version']} ({tgt}) already installed")
+        return
+    py = VENV / "bin" / "python"
+    if have and {k: v for k, v in have.items() if k != "lock_sha256"} == {
+        k: v for k, v in want.items() if k != "lock_sha256"
+    }:
+        say(f".venv: the dependency lock changed; updating it in place from {lock.name}")
+        install(py, wheelhouse(), requirements(tgt, wheel, lock))
+        stamp.write_text(json.dumps(want, indent=1) + "\n")
         return
     if free_bytes(ROOT) < NEEDED_BYTES:
         raise UserError(
@@ -103,7 +112,6 @@ def build(pin: dict, tgt: str) -> None:
     if VENV.exists():
         say(f".venv was built for something else ({stamp.name} differs); rebuilding it")
         shutil.rmtree(VENV)
-    py = VENV / "bin" / "python"
     with Timer() as t:
         say(f"creating .venv for TARGET={tgt}")
         sh([sys.executable, "-m", "venv", VENV])
