@@ -8,7 +8,8 @@ Groups:
   e2e         the CI-sized end-to-end run on the real engine (e2e/test_e2e.py)
 
 Usage: run_tests.py [--unpatched] [GROUP ...]
---unpatched runs the regression group against pristine vLLM; it is expected to fail.
+--unpatched runs against pristine vLLM: by default the regression group, which is expected
+to fail; `--unpatched upstream` gives the pristine baseline of vLLM's own tests.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from _lib import BUILD, OVERLAY, ROOT, VENV, UserError, checkout_dir, run_main, say
+from _lib import BUILD, OVERLAY, ROOT, VENV, UserError, checkout_dir, load_pin, run_main, say
 
 UPSTREAM_PATHS = [
     "tests/v1/kv_offload",
@@ -32,17 +33,23 @@ HF_HOME = BUILD / "hf-home"
 OPT_FIXTURE = ROOT / "tests" / "fixtures" / "facebook--opt-125m"
 
 
-def prepare_testroot() -> None:
+def prepare_testroot(rev: str | None = None) -> None:
     """vLLM's tests run from a copy of the checkout's tests/ without its vllm/ source:
     tests/__init__.py makes pytest put the checkout root on sys.path, and the source tree
-    there lacks the compiled parts of the installed wheel."""
+    there lacks the compiled parts of the installed wheel. rev=None copies the work tree;
+    a tag copies that commit (pristine upstream tests for the baseline)."""
     repo = checkout_dir()
     if not (repo / "tests").exists():
         raise UserError(f"no checkout at {repo}; run `make apply` first")
     shutil.rmtree(TESTROOT, ignore_errors=True)
     TESTROOT.mkdir(parents=True)
-    shutil.copytree(repo / "tests", TESTROOT / "tests")
-    shutil.copy(repo / "pyproject.toml", TESTROOT)
+    if rev is None:
+        shutil.copytree(repo / "tests", TESTROOT / "tests")
+        shutil.copy(repo / "pyproject.toml", TESTROOT)
+        return
+    archive = subprocess.run(["git", "archive", rev, "tests", "pyproject.toml"], cwd=repo,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "x"], cwd=TESTROOT, input=archive, check=True)
 
 
 def prepare_hf_home() -> None:
@@ -116,8 +123,12 @@ def main() -> None:
             extra = ["--tb=short"] if opts.unpatched else []
             results[g] = run_group(g, regression_tests(), TESTROOT, env, extra)
         elif g == "upstream":
-            prepare_testroot()
-            ignore = [f"--ignore={t}" for t in regression_tests()]
+            if opts.unpatched:  # the baseline: pristine tests on pristine vLLM
+                prepare_testroot(load_pin()["tag"])
+                ignore = []
+            else:  # the tests the series changes run in the regression group
+                prepare_testroot()
+                ignore = [f"--ignore={t}" for t in regression_tests()]
             results[g] = run_group(g, UPSTREAM_PATHS, TESTROOT, env, ignore)
         elif g == "e2e":
             if not (ROOT / "e2e" / "test_e2e.py").exists():
