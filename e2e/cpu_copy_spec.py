@@ -18,6 +18,7 @@ For the e2e harness it also logs two lines the runner reads from the engine log:
 """
 
 import ctypes
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -69,6 +70,8 @@ class CpuCopyHandler(OffloadingHandler):
         self.transfer_type = ("GPU", "CPU") if gpu_to_cpu else ("CPU", "GPU")
         self._mmap_region = mmap_region
         self._done: list[TransferResult] = []
+        # negative control for the harness: E2E_CORRUPT_LOADS=1 garbles every CPU->GPU load
+        self._corrupt = not gpu_to_cpu and os.environ.get("E2E_CORRUPT_LOADS") == "1"
 
     def transfer_async(self, job_id: int, transfer_spec: TransferSpec) -> bool:
         t0 = time.perf_counter()
@@ -104,6 +107,8 @@ class CpuCopyHandler(OffloadingHandler):
                                        self.dst_tensors[ref.tensor_idx], skip_count=dst_skip)
                 for s, d in zip(src_ptrs.tolist(), dst_ptrs.tolist()):
                     ctypes.memmove(d, s, ref.page_size_bytes)
+                    if self._corrupt:
+                        ctypes.memset(d, 0x3C, ref.page_size_bytes)
                 nbytes += group_size * ref.page_size_bytes
             src_off += src_n
             dst_off += dst_n

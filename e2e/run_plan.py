@@ -86,8 +86,9 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
     if not args.gpu:
         # 16-token blocks as on GPUs (the CPU backend would pick 128): more blocks per prompt
         extra += ["--block-size", str(args.block_size), "--max-num-batched-tokens", "1024"]
+    env = {"E2E_CORRUPT_LOADS": "1"} if (args.corrupt_loads and arm == "cold") else {}
     server = Server(MODELS_DIR / model, log, kv_transfer_config=kv, extra_args=extra,
-                    pythonpath=pythonpath)
+                    pythonpath=pythonpath, env=env)
     say(f"{model}/{scenario}/{arm}: starting server on port {server.port} (log {log})")
     try:
         with server:
@@ -178,6 +179,10 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
     disk_ok = cold is not None and cold["status"] == "ran" and cold["cpu_to_gpu_bytes"] not in (
         "-", 0) and (args.gpu or cold["disk_keys"] not in ("-", 0))
     verdict = "PASS" if not failed and disk_ok else "FAIL"
+    if args.corrupt_loads:  # negative control: the cold arm's loads were garbled on purpose
+        detected = cold is not None and str(cold["parity"]).startswith("DIFF") and disk_ok
+        verdict = "PASS (corruption detected)" if detected else "FAIL (corruption not detected)"
+        failed = [] if detected else failed
     for r in rows:
         r["verdict"] = verdict
     if verdict == "FAIL":
@@ -227,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="do not pass --enforce-eager")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra server argument")
+    ap.add_argument("--corrupt-loads", action="store_true",
+                    help="negative control: garble the cold arm's CPU->GPU loads; expect DIFF")
     ap.add_argument("--gpu", action="store_true",
                     help="real CUDA handlers: plain TieringOffloadingSpec (used by run_gpu.py)")
     ap.add_argument("--out", type=Path, default=OUT)

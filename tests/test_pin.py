@@ -81,3 +81,13 @@ def test_environment_refuses_to_start_without_disk(tmp_path, monkeypatch):
     else:
         raise AssertionError("build() started without the disk it needs")
     assert not (tmp_path / ".venv").exists()
+
+
+def test_cached_artifact_sizes_match_the_pin():
+    """The pin's sizes are what fetch.py announces before a download; keep them exact."""
+    for version in ("0.22.1",):
+        pin = _lib.load_pin(version)
+        for kind, art in pin["artifacts"].items():
+            path = fetch.cached_path(pin, kind)
+            if path.exists():
+                assert path.stat().st_size == art["size"], (kind, path)
