@@ -124,6 +124,22 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
     return row
 
 
+def private_site(site: Path) -> str:
+    """Hard-link copy of the unpatched site: other jobs may rebuild build/unpatched-site while
+    our servers import from it (seen: ModuleNotFoundError: No module named 'vllm.tokenizers')."""
+    dest = ROOT / "build" / "e2e-unpatched-site"
+    for _ in range(3):
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(site, dest, copy_function=os.link,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        spec = dest / "vllm" / "v1" / "kv_offload" / "tiering" / "spec.py"
+        if (dest / "vllm" / "tokenizers").is_dir() and spec.exists() and \
+                UNPATCHED_ASSERT in spec.read_text():
+            return str(dest)
+        time.sleep(10)
+    raise SystemExit(f"{dest} is incomplete or patched; rebuild it with scripts/unpatched_site.py")
+
+
 def startup_error(log: Path) -> str | None:
     text = log.read_text(errors="replace") if log.exists() else ""
     for ln in text.splitlines():
@@ -247,7 +263,7 @@ def main(argv=None) -> int:
         if site.returncode != 0:
             say("could not build the unpatched site: " + (site.stderr or site.stdout).strip())
             return 1
-        pythonpath = [site.stdout.strip().splitlines()[-1]]
+        pythonpath = [private_site(Path(site.stdout.strip().splitlines()[-1]))]
         say(f"unpatched: PYTHONPATH={pythonpath[0]}")
         args.scenarios = ["base"]
         args.out = args.out.parent / (args.out.name + "-unpatched")

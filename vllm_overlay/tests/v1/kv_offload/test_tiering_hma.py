@@ -13,8 +13,10 @@ is replaced by writing known bytes into the primary tier's rows, and the
 CPU->GPU copy by reading them back.
 """
 
+import errno
 import json
 import logging
+import math
 import mmap
 import os
 import time
@@ -39,11 +41,20 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    OffloadKey,
+    ReqContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+# no GPU state to clean up between these tests
+pytestmark = pytest.mark.skip_global_cleanup
 
 _TIMEOUT_S = 20.0
 _DTYPE = torch.float16
@@ -681,3 +692,522 @@ def test_fs_tier_buffered_fallback_for_unaligned_rows(model_config, tmp_path, ca
     for i, key in enumerate(keys):
         np.testing.assert_array_equal(rows[i], block_bytes(key, 1280))
     assert "using buffered I/O" in caplog.text
+
+
+def _fail_io_on(monkeypatch, func_name: str, bad_suffixes: list[str]):
+    """Make os.<func_name> fail with EIO for files whose name ends with one
+    of bad_suffixes (the fs tier's threads call it)."""
+    real = getattr(os, func_name)
+
+    def failing(fd, *args, **kwargs):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if any(path.split(".bin")[0].endswith(s) for s in bad_suffixes):
+            raise OSError(errno.EIO, "injected I/O error")
+        return real(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, func_name, failing)
+
+
+def _file_stem(key: OffloadKey) -> str:
+    """The end of the fs tier's file name for key, without .bin."""
+    return f"_g{get_offload_group_idx(key)}/{get_offload_block_hash(key).hex()}"
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma4"])
+def test_failed_writes_and_reads_stay_contained(
+    model_config, tmp_path, monkeypatch, layout
+):
+    """Injected write and read errors: a key whose data did not arrive is
+    never served, ref counts return to zero, no .tmp file is left, and the
+    keys that succeeded in the same job are served without a second
+    promotion."""
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 16)
+    keys = request_keys(0, num_blocks=3, num_groups=len(GPU_BLOCK_SIZES[layout]))
+    bad_write, bad_read = keys[1], keys[-1]
+    good = [k for k in keys if k not in (bad_write, bad_read)]
+    ctx = ReqContext(req_id="req0")
+
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    try:
+        with monkeypatch.context() as m:
+            _fail_io_on(m, "write", [_file_stem(bad_write)])
+            store(manager, keys, ctx)  # waits for ref counts back to 0
+        # the CPU copy is intact
+        load(manager, keys, ctx)
+    finally:
+        manager.shutdown()
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root_dir) for f in fs]
+    assert not [f for f in files if f.endswith(".tmp")]
+    assert sum(f.endswith(".bin") for f in files) == len(keys) - 1
+
+    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(cold, TieringOffloadingManager)
+    try:
+        assert cold.lookup(bad_write, ctx) is False
+        with monkeypatch.context() as m:
+            _fail_io_on(m, "readv", [_file_stem(bad_read)])
+            for key in good + [bad_read]:
+                assert cold.lookup(key, ctx) is None  # promotion started
+            list(cold.take_events())  # submit the promotion job
+            # wait until the job finished: no block is in flight anymore
+            wait_for(
+                lambda: all(
+                    cold.primary_tier.lookup(k, ctx) is not None
+                    for k in good + [bad_read]
+                ),
+                cold,
+            )
+        # the failed key is not served, and its slot is free again
+        assert cold.primary_tier.lookup(bad_read, ctx) is False
+        assert ref_cnt(cold, bad_read) is None
+        # the keys that arrived are ready at once, no second promotion
+        assert all(cold.primary_tier.lookup(k, ctx) is True for k in good)
+        load(cold, good, ctx)
+    finally:
+        cold.shutdown()
+
+
+def scheduler_lookup(
+    manager: TieringOffloadingManager,
+    keys_per_group: list[list[OffloadKey]],
+    ctx: ReqContext,
+) -> list[int] | None:
+    """Look a request up as the connector scheduler does: per group, the
+    prefix of hits; None if any lookup was deferred (retry next step)."""
+    hits: list[int] = []
+    deferred = False
+    for group_keys in keys_per_group:
+        num_hits = 0
+        for key in group_keys:
+            result = manager.lookup(key, ctx)
+            if result is None:
+                deferred = True
+            elif not result:
+                break
+            num_hits += 1
+        hits.append(num_hits)
+    return None if deferred else hits
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "gemma4", "qwen3_5"])
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_promotion_never_evicts_blocks_reported_ready(
+    model_config, tmp_path, layout, num_requests
+):
+    """A CPU tier smaller than a request's blocks on disk: promoting one
+    group's block must not evict a block of another group of the same
+    request that lookup already reported ready. Otherwise the next lookup
+    misses it and promotes it again, evicting the other group's block: the
+    request is deferred forever, or a block reported ready is gone when the
+    scheduler loads it."""
+    root_dir = str(tmp_path / "fs")
+    num_groups = len(GPU_BLOCK_SIZES[layout])
+    blocks_per_group = 3
+    requests = [
+        request_keys(r, blocks_per_group, num_groups) for r in range(num_requests)
+    ]
+    all_keys = [k for keys in requests for k in keys]
+    # everything on disk
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, root_dir, len(all_keys)
+    )
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    try:
+        for r, keys in enumerate(requests):
+            store(manager, keys, ReqContext(req_id=f"req{r}"))
+    finally:
+        manager.shutdown()
+
+    # a cold CPU tier that holds fewer blocks than one request has
+    cpu_blocks = blocks_per_group * num_groups - 1
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, root_dir, cpu_blocks
+    )
+    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(cold, TieringOffloadingManager)
+    try:
+        for r, keys in enumerate(requests):
+            ctx = ReqContext(req_id=f"req{r}")
+            keys_per_group = [
+                keys[g * blocks_per_group : (g + 1) * blocks_per_group]
+                for g in range(num_groups)
+            ]
+            for _ in range(50):  # engine steps
+                hits = scheduler_lookup(cold, keys_per_group, ctx)
+                if hits is not None:
+                    break
+                list(cold.take_events())
+                time.sleep(0.01)
+            assert hits is not None, "request deferred forever"
+            # the scheduler loads every block it was told is ready
+            to_load = [k for g, n in enumerate(hits) for k in keys_per_group[g][:n]]
+            assert to_load, "no hit at all"
+            spec = cold.prepare_load(to_load, ctx)
+            assert isinstance(spec, CPULoadStoreSpec)
+            rows = cpu_rows(cold)
+            for key, block_id in zip(to_load, spec.block_ids):
+                np.testing.assert_array_equal(
+                    rows[block_id], block_bytes(key, rows.shape[1])
+                )
+            cold.complete_load(to_load, ctx)
+            assert all(ref_cnt(cold, k) == 0 for k in to_load)
+            list(cold.take_events())
+    finally:
+        cold.shutdown()
+
+
+@pytest.mark.parametrize("seed", [None, "0"])
+def test_persistent_tier_warns_once_without_pythonhashseed(
+    model_config, tmp_path, monkeypatch, caplog, seed
+):
+    """Without PYTHONHASHSEED block hashes are seeded randomly per process,
+    so a disk tier never hits after a restart: say so once, with the fix."""
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    vllm_config, kv_cache_config = make_configs(model_config, "llama", str(tmp_path), 4)
+    with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload"):
+        manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+        store(manager, request_keys(0, 2, 1), ReqContext(req_id="req0"))
+        manager.shutdown()
+    warnings = [r for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
+    assert len(warnings) == (1 if seed is None else 0)
+    if seed is None:
+        assert "PYTHONHASHSEED=0" in warnings[0].getMessage()
+
+
+def test_tier_failing_every_write_is_reported_once(
+    model_config, tmp_path, monkeypatch, caplog
+):
+    """A secondary tier whose every write fails says so loudly, once, and
+    not with a log line per block; nothing is served from it."""
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(model_config, "llama", root_dir, 32)
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload"),
+            monkeypatch.context() as m,
+        ):
+            _fail_io_on(m, "write", [""])  # every block file
+            caplog.clear()
+            for r in range(3):
+                store(manager, request_keys(r, 4, 1), ReqContext(req_id=f"req{r}"))
+    finally:
+        manager.shutdown()
+    records = [
+        r
+        for r in caplog.records
+        if r.name.startswith("vllm.v1.kv_offload") and r.levelno >= logging.WARNING
+    ]
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "failed every block write" in errors[0].getMessage()
+    assert len(records) <= 2, [r.getMessage() for r in records]
+    files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+    assert not [f for f in files if f.endswith((".bin", ".tmp"))]
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma4"])
+def test_reset_cache_forgets_in_flight_blocks(model_config, tmp_path, layout):
+    """reset_cache() (e.g. from reset_prefix_cache) makes the scheduler
+    discard every in-flight GPU<->CPU job: blocks being stored must not stay
+    in flight forever (lookup() None: the request is deferred forever), nor
+    blocks being loaded stay pinned."""
+    num_groups = len(GPU_BLOCK_SIZES[layout])
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 16)
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    stored = request_keys(0, 2, num_groups)
+    in_flight = request_keys(1, 1, num_groups)
+    ctx = ReqContext(req_id="req0")
+    try:
+        store(manager, stored, ctx)
+        # a store and a load the scheduler will never complete
+        assert manager.prepare_store(in_flight, ctx) is not None
+        assert manager.lookup(in_flight[0], ctx) is None
+        manager.prepare_load(stored[:1], ctx)
+        assert ref_cnt(manager, stored[0]) == 1
+
+        manager.reset_cache()
+        list(manager.take_events())
+
+        for key in in_flight:
+            assert manager.lookup(key, ctx) is False
+        # the fs tier kept the stored blocks: they are promoted again
+        load(manager, stored, ctx)
+        # and the whole CPU tier can be used again
+        store(manager, request_keys(2, 16 // num_groups, num_groups), ctx)
+    finally:
+        manager.shutdown()
+
+
+def _sched_config_keys(sched, request) -> list[list[OffloadKey]]:
+    """The offload keys the connector scheduler derives for a request's
+    block hashes, per KV cache group."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        RequestOffloadState,
+    )
+
+    state = RequestOffloadState(config=sched.config, req=request)
+    state.update_offload_keys()
+    return [list(g.offload_keys) for g in state.group_states]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_connector_scheduler_cold_restart_hits_every_group(
+    model_config, tmp_path, layout
+):
+    """The real offloading connector scheduler over the real tiers: a
+    request's blocks of every group, keyed by its real block hashes, are on
+    disk; after a cold start the scheduler's lookup promotes them, reports
+    the expected hit, and its load job reads the right bytes for every
+    group; ref counts return to zero once the load completes."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        SchedulerOffloadConfig,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import (
+        KVCacheBlock,
+        get_request_block_hasher,
+        init_none_hash,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 64)
+    init_none_hash(sha256)
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    block_sizes = [
+        g.offloaded_block_size
+        for g in SchedulerOffloadConfig.from_spec(spec).kv_group_configs
+    ]
+    lcm = math.lcm(*block_sizes)
+    num_tokens = 4 * lcm + 5
+    request = Request(
+        request_id="req0",
+        prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(spec.hash_block_size, sha256),
+    )
+
+    # A previous engine stored every block of the request, for every group.
+    sched = OffloadingConnectorScheduler(spec)
+    keys_per_group = _sched_config_keys(sched, request)
+    assert [len(k) for k in keys_per_group] == [num_tokens // b for b in block_sizes]
+    try:
+        store(
+            sched.manager, [k for keys in keys_per_group for k in keys], ReqContext("x")
+        )
+    finally:
+        sched.shutdown()
+
+    # Cold start: the real scheduler looks the request up until promoted.
+    cold_spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    sched = OffloadingConnectorScheduler(cold_spec)
+    manager = sched.manager
+    assert isinstance(manager, TieringOffloadingManager)
+    try:
+        for _ in range(200):
+            num_hit_tokens, is_async = sched.get_num_new_matched_tokens(request, 0)
+            if num_hit_tokens is not None:
+                break
+            list(sched.take_events())  # end of engine step
+            time.sleep(0.005)
+        # every group hits up to the last full chunk of the largest block
+        # (minus the last token with sliding window groups)
+        assert num_hit_tokens == 4 * lcm and is_async
+
+        # the GPU blocks the scheduler allocates for the hit: groups that
+        # only need their last blocks (sliding window, mamba) get null
+        # blocks before them, as vLLM's KV cache managers do
+        blocks, expected_keys = [], []
+        for group_idx, (group, keys) in enumerate(
+            zip(sched.config.kv_group_configs, keys_per_group)
+        ):
+            num_blocks = num_hit_tokens // group.gpu_block_size
+            needed = group.sliding_window_size_in_blocks or num_blocks
+            num_null = max(num_blocks - needed, 0)
+            blocks.append(
+                [KVCacheBlock(0, is_null=True) for _ in range(num_null)]
+                + [
+                    KVCacheBlock(1000 * (group_idx + 1) + i)
+                    for i in range(num_null, num_blocks)
+                ]
+            )
+            expected_keys.append(keys[num_null:num_blocks])
+        sched.update_state_after_alloc(
+            request, KVCacheBlocks(tuple(blocks)), num_hit_tokens
+        )
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        ((job_id, job),) = meta.load_jobs.items()
+        src_spec, dst_spec = job.transfer_spec
+        assert isinstance(src_spec, CPULoadStoreSpec)
+        # hits per group: the blocks each group loads
+        assert list(dst_spec.group_sizes) == [len(k) for k in expected_keys]
+        rows = cpu_rows(manager)
+        flat_keys = [k for keys in expected_keys for k in keys]
+        assert len(src_spec.block_ids) == len(flat_keys)
+        for key, block_id in zip(flat_keys, src_spec.block_ids):
+            np.testing.assert_array_equal(
+                rows[block_id], block_bytes(key, rows.shape[1])
+            )
+        assert all(ref_cnt(manager, k) == 1 for k in flat_keys)
+
+        # the worker reports the load done
+        worker_meta = OffloadingWorkerMetadata()
+        worker_meta.mark_completed(job_id)
+        sched.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+        )
+        assert all(ref_cnt(manager, k) == 0 for k in flat_keys)
+    finally:
+        sched.shutdown()
+    files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+    assert not [f for f in files if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_several_requests_under_eviction_pressure(model_config, tmp_path, layout):
+    """Several requests stored through a CPU tier smaller than their blocks
+    (evictions while cascading), then looked up together, step by step, by a
+    cold manager whose CPU tier is also smaller than the working set: every
+    request settles, every block reported ready loads the right bytes, ref
+    counts return to zero and no temporary file is left."""
+    num_groups = len(GPU_BLOCK_SIZES[layout])
+    blocks_per_group = 3
+    requests = [request_keys(r, blocks_per_group, num_groups) for r in range(4)]
+    per_request = blocks_per_group * num_groups
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, root_dir, per_request + 2
+    )
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    try:
+        for r, keys in enumerate(requests):
+            store(manager, keys, ReqContext(req_id=f"req{r}"))
+    finally:
+        manager.shutdown()
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root_dir) for f in fs]
+    assert sum(f.endswith(".bin") for f in files) == len(requests) * per_request
+    assert not [f for f in files if f.endswith(".tmp")]
+
+    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(cold, TieringOffloadingManager)
+    try:
+        pending = {
+            r: [
+                keys[g * blocks_per_group : (g + 1) * blocks_per_group]
+                for g in range(num_groups)
+            ]
+            for r, keys in enumerate(requests)
+        }
+        total_hits = 0
+        for _ in range(100):  # engine steps
+            for r, keys_per_group in list(pending.items()):
+                ctx = ReqContext(req_id=f"req{r}")
+                hits = scheduler_lookup(cold, keys_per_group, ctx)
+                if hits is None:
+                    continue
+                del pending[r]
+                to_load = [k for g, n in enumerate(hits) for k in keys_per_group[g][:n]]
+                total_hits += len(to_load)
+                if not to_load:
+                    continue
+                spec = cold.prepare_load(to_load, ctx)
+                assert isinstance(spec, CPULoadStoreSpec)
+                rows = cpu_rows(cold)
+                for key, block_id in zip(to_load, spec.block_ids):
+                    np.testing.assert_array_equal(
+                        rows[block_id], block_bytes(key, rows.shape[1])
+                    )
+                cold.complete_load(to_load, ctx)
+            if not pending:
+                break
+            list(cold.take_events())
+            time.sleep(0.005)
+        assert not pending, "requests deferred forever"
+        assert total_hits >= per_request
+        wait_for(lambda: not cold._transfer_jobs, cold)
+        assert all(ref_cnt(cold, k) in (None, 0) for keys in requests for k in keys)
+    finally:
+        cold.shutdown()
+
+
+def test_unsupported_store_threshold_leaks_nothing(model_config, tmp_path):
+    """An unsupported option is refused before the CPU region in /dev/shm and
+    the secondary tiers' threads are created, not after (leaking them)."""
+    vllm_config, kv_cache_config = make_configs(
+        model_config, "llama", str(tmp_path), 4, {"store_threshold": 2}
+    )
+    shm_path = f"/dev/shm/vllm_offload_{vllm_config.instance_id}.mmap"
+    with pytest.raises(ValueError, match="store_threshold"):
+        TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert not os.path.exists(shm_path)
+
+
+@pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_worker_views_match_rows_secondary_tiers_copy(
+    model_config, tmp_path, layout, blocks_per_chunk
+):
+    """The worker's per-tensor CPU views (as CpuGpuOffloadingHandlers lays
+    them out, block_size_factor GPU pages per tensor) fit in the padded row
+    and are exactly the bytes the scheduler-side view hands to secondary
+    tiers for that block."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    vllm_config, kv_cache_config = make_configs(
+        model_config,
+        layout,
+        str(tmp_path / "fs"),
+        4,
+        {"blocks_per_chunk": blocks_per_chunk},
+    )
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    worker_region = SharedOffloadRegion(
+        instance_id=vllm_config.instance_id,
+        total_size_bytes=spec.cpu_page_size_per_worker * spec.num_blocks,
+        num_blocks=spec.num_blocks,
+        rank=0,
+        num_workers=1,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+    views: list[torch.Tensor] = []
+    try:
+        page_sizes = [
+            t.size // kv_cache_config.num_blocks * blocks_per_chunk
+            for t in kv_cache_config.kv_cache_tensors
+        ]
+        views = [worker_region.create_next_view(p) for p in page_sizes]
+        rows = cpu_rows(manager)
+        block_id = spec.num_blocks - 1
+        for i, view in enumerate(views):
+            view[block_id] = torch.full((page_sizes[i],), i + 1, dtype=torch.int8)
+        expected = np.concatenate(
+            [np.full(p, i + 1, dtype=np.uint8) for i, p in enumerate(page_sizes)]
+        )
+        np.testing.assert_array_equal(rows[block_id][: len(expected)], expected)
+        assert rows.shape[1] % mmap.PAGESIZE == 0
+    finally:
+        views.clear()
+        worker_region.cleanup()
+        manager.shutdown()

@@ -31,6 +31,7 @@ Example configuration:
 }
 """
 
+import os
 from mmap import PAGESIZE
 
 import torch
@@ -75,6 +76,14 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self.secondary_tier_configs = self.extra_config.get("secondary_tiers", [])
         if not isinstance(self.secondary_tier_configs, list):
             raise ValueError("secondary_tiers must be a list of tier configurations")
+
+        # Checked before get_manager() allocates the CPU region and tiers.
+        if int(self.extra_config.get("store_threshold", 0)) >= 2:
+            raise ValueError(
+                "store_threshold is not supported for TieringOffloadingSpec, "
+                f"got store_threshold={self.extra_config['store_threshold']}; "
+                "remove it or set it to 0."
+            )
 
         # Secondary tiers copy whole rows of the primary tier. Round each
         # worker's row area up to the page size, so that rows start and end
@@ -156,6 +165,19 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                     )
                     raise
 
+            persistent = [t.tier_type for t in secondary_tiers if t.persistent]
+            if persistent and os.getenv("PYTHONHASHSEED") is None:
+                # init_none_hash() then seeds block hashes with os.urandom
+                logger.warning(
+                    "Secondary tier(s) %s keep KV cache blocks across "
+                    "restarts, but PYTHONHASHSEED is not set: vLLM seeds "
+                    "block hashes randomly per process, so after a restart "
+                    "no stored block is ever hit. Set PYTHONHASHSEED to the "
+                    "same value (e.g. PYTHONHASHSEED=0) for every vLLM "
+                    "process that shares these tiers.",
+                    persistent,
+                )
+
             # Create TieringOffloadingManager. GPU↔CPU transfers use the inherited
             # get_handlers(); secondary tier transfers are handled by the
             # secondary tier managers and need no additional handlers here.
@@ -164,10 +186,6 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 secondary_tiers=secondary_tiers,
                 enable_events=enable_events,
             )
-            if int(self.extra_config.get("store_threshold", 0)) >= 2:
-                raise ValueError(
-                    "store_threshold is not supported for TieringOffloadingSpec"
-                )
             self._manager = tiering_manager
 
             logger.info(

@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import (
+    JobId,
     JobMetadata,
     JobResult,
     SecondaryTierManager,
@@ -59,6 +60,8 @@ class FileSystemTierManager(SecondaryTierManager):
     get_finished() polls job completion and returns completed JobResults.
 
     """
+
+    persistent = True
 
     def __init__(
         self,
@@ -124,6 +127,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 reason,
             )
 
+        # keys of the in-flight jobs, to report which ones failed
+        self._job_keys: dict[JobId, list[OffloadKey]] = {}
+
         self._pool = DualQueueThreadPool(
             n_read_threads,
             n_write_threads,
@@ -147,6 +153,7 @@ class FileSystemTierManager(SecondaryTierManager):
             )
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
         )
+        self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._pool.enqueue_store(job_metadata.job_id, len(job_metadata.keys), tasks)
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
@@ -161,16 +168,24 @@ class FileSystemTierManager(SecondaryTierManager):
             )
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
         )
+        self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._pool.enqueue_load(job_metadata.job_id, len(job_metadata.keys), tasks)
 
     def get_finished(self) -> Iterable[JobResult]:
         """
         Collect completed jobs from the finished-jobs queue.
         """
-        return (
-            JobResult(job_id=job_id, success=success)
-            for job_id, success in self._pool.get_finished()
-        )
+        results = []
+        for job_id, failed in self._pool.get_finished():
+            keys = self._job_keys.pop(job_id)
+            results.append(
+                JobResult(
+                    job_id=job_id,
+                    success=not failed,
+                    failed_keys=[keys[i] for i in failed] if failed else None,
+                )
+            )
+        return results
 
     def shutdown(self) -> None:
         """

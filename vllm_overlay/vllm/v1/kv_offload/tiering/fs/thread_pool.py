@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""
+Thread pool:
+    Two queues (load, store) and two sets of threads:
+      - Load-priority threads: drain the load queue first, then the store queue.
+      - Store-priority threads: drain the store queue first, then the load queue.
+    Load jobs are enqueued to the load queue; store jobs to the store queue.
+"""
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.tiering.base import JobId
+
+logger = init_logger(__name__)
+
+
+class JobState:
+    """
+    Thread-safe completion tracker for a set of per-block I/O tasks.
+
+    Each task calls task_done(success) when it finishes.
+    """
+
+    __slots__ = ("_job_id", "_n_tasks", "_completed", "failed", "first_error", "_lock")
+
+    def __init__(self, job_id: JobId, n_tasks: int) -> None:
+        self._job_id: JobId = job_id
+        self._n_tasks = n_tasks
+        self._completed = 0
+        # indices (in submission order) of the tasks that failed
+        self.failed: list[int] = []
+        # kept as text: an exception's traceback would pin the I/O buffers
+        self.first_error: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def job_id(self) -> JobId:
+        return self._job_id
+
+    @property
+    def n_tasks(self) -> int:
+        return self._n_tasks
+
+    def task_done(self, task_idx: int, error: Exception | None = None) -> bool:
+        """Record a task's outcome. Returns whether the job completed."""
+        with self._lock:
+            self._completed += 1
+            if error is not None:
+                self.failed.append(task_idx)
+                if self.first_error is None:
+                    self.first_error = str(error)
+            return self._completed == self._n_tasks
+
+
+class DualQueueThreadPool:
+    """
+    Thread pool with two task queues (load and store) and two thread groups.
+
+    Load-priority threads drain the load queue first, then fall back to the
+    store queue.  Store-priority threads do the reverse.  Both queues share
+    a single condition variable.
+    """
+
+    def __init__(
+        self,
+        n_read_threads: int,
+        n_write_threads: int,
+        thread_name_prefix: str = "fs_secondary_tier",
+    ) -> None:
+        self._load_q: deque = deque()
+        self._store_q: deque = deque()
+        self._condition = threading.Condition(threading.Lock())
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        # (job_id, indices of the failed tasks)
+        self._finished_q: deque[tuple[JobId, list[int]]] = deque()
+        self._logged_failure = False
+
+        for i in range(n_read_threads):
+            t = threading.Thread(
+                target=self._worker,
+                args=(True,),
+                name=f"{thread_name_prefix}_l{i}",
+                daemon=True,
+            )
+            t.start()
+            self._threads.append(t)
+
+        for i in range(n_write_threads):
+            t = threading.Thread(
+                target=self._worker,
+                args=(False,),
+                name=f"{thread_name_prefix}_s{i}",
+                daemon=True,
+            )
+            t.start()
+            self._threads.append(t)
+
+    def enqueue_load(
+        self,
+        job_id: JobId,
+        n_tasks: int,
+        tasks: Iterable[Callable],
+    ) -> None:
+        """Enqueue load tasks for a job (high-priority for load-priority threads)."""
+        state = JobState(job_id, n_tasks)
+        if n_tasks == 0:
+            self._finished_q.append((job_id, []))
+            return
+        with self._condition:
+            for task_idx, fn in enumerate(tasks):
+                self._load_q.append((fn, state, task_idx))
+            self._condition.notify(n_tasks)
+
+    def enqueue_store(
+        self,
+        job_id: JobId,
+        n_tasks: int,
+        tasks: Iterable[Callable],
+    ) -> None:
+        """Enqueue store tasks for a job (high-priority for store-priority threads)."""
+        state = JobState(job_id, n_tasks)
+        if n_tasks == 0:
+            self._finished_q.append((job_id, []))
+            return
+        with self._condition:
+            for task_idx, fn in enumerate(tasks):
+                self._store_q.append((fn, state, task_idx))
+            self._condition.notify(n_tasks)
+
+    def get_finished(self) -> list[tuple[JobId, list[int]]]:
+        """Finished jobs, each with the indices of its failed tasks."""
+        jobs = []
+        while self._finished_q:
+            jobs.append(self._finished_q.popleft())
+        return jobs
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._condition:
+            self._stop = True
+            self._load_q.clear()
+            self._store_q.clear()
+            self._condition.notify_all()
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    def _worker(self, load_priority: bool) -> None:
+        # Wait for tasks, process from primary queue first, fall back to secondary.
+        while True:
+            with self._condition:
+                self._condition.wait_for(
+                    lambda: self._stop or self._load_q or self._store_q
+                )
+                if self._stop:
+                    return
+                primary = self._load_q if load_priority else self._store_q
+                secondary = self._store_q if load_priority else self._load_q
+                task, state, task_idx = (
+                    primary.popleft() if primary else secondary.popleft()
+                )
+            try:
+                task()
+                job_finished = state.task_done(task_idx)
+            except Exception as exc:
+                job_finished = state.task_done(task_idx, exc)
+
+            if job_finished:
+                if state.failed:
+                    # One line for the first failed job, not per block; the
+                    # tiering manager reports a tier whose writes all fail.
+                    log = logger.debug if self._logged_failure else logger.warning
+                    self._logged_failure = True
+                    log(
+                        "FileSystemTierManagerPython: job %s: block I/O failed "
+                        "for %d of %d blocks (first error: %s)",
+                        state.job_id,
+                        len(state.failed),
+                        state.n_tasks,
+                        state.first_error,
+                    )
+                self._finished_q.append((state.job_id, state.failed))
