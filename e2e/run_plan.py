@@ -189,8 +189,8 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
         r["error"] = err or r["error"]
         return rows
     cold = next((r for r in rows if r["arm"] == "cold"), None)
-    failed = [r for r in rows if r["status"] != "ran" or not (
-        r["parity"] in ("identical", "reference"))]
+    failed = [r for r in rows if r["status"] != "ran"
+              or r["parity"] not in ("identical", "reference")]
     # disk_keys comes from cpu_copy_spec's log line; with --gpu (plain spec) only the metric
     disk_ok = cold is not None and cold["status"] == "ran" and cold["cpu_to_gpu_bytes"] not in (
         "-", 0) and (args.gpu or cold["disk_keys"] not in ("-", 0))
