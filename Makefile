@@ -32,14 +32,14 @@ patches: ## export build/vllm's commits to patches/ and regenerate vllm_overlay/
 lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches
 	@$(S)/lint.py
 
-e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix
-	@.venv/bin/python e2e/run_plan.py --matrix
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min)
+	@.venv/bin/python e2e/run_plan.py
 
 e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes
 	@.venv/bin/python e2e/run_plan.py --unpatched
 
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
-	@.venv/bin/python e2e/run_plan.py --gpu
+	@.venv/bin/python e2e/run_gpu.py
 
 clean: ## remove build/ and .venv (the download cache stays)
 	rm -rf build .venv

@@ -137,9 +137,14 @@ class Server:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            # SIGTERM to the server only: it stops its engine and workers, and its
+            # resource tracker unlinks the shared memory; then SIGKILL the group.
+            for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
                 try:
-                    os.killpg(self.proc.pid, sig)
+                    if sig == signal.SIGTERM:
+                        os.kill(self.proc.pid, sig)
+                    else:
+                        os.killpg(self.proc.pid, sig)
                 except ProcessLookupError:
                     break
                 try:
@@ -147,6 +152,13 @@ class Server:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+        # let the group's other processes (engine core, workers, trackers) finish exiting
+        for _ in range(50):
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
         # children (engine core, workers) share the process group: make sure none is left
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
