@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -89,6 +90,10 @@ class Server:
         return cmd + self.extra_args
 
     def __enter__(self):
+        # A driver stopped with SIGTERM (CI timeout, kill) unwinds through __exit__, so the
+        # server, which runs in its own session, never outlives it.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         env = dict(os.environ)
         if not self.online:
             env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
