@@ -109,3 +109,22 @@ def test_the_environment_imports_the_patched_vllm():
     src = open(out).read()
     assert "assert len(self.gpu_block_size) == 1" not in src
     assert src == (ROOT / "vllm_overlay/vllm/v1/kv_offload/tiering/spec.py").read_text()
+
+
+def test_a_session_on_unpatched_vllm_aborts_at_start(tmp_path):
+    """vLLM's tests never run against the wrong vLLM: the plugin stops the session."""
+    import os
+
+    import unpatched_site
+
+    site = unpatched_site.build()
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([site, str(ROOT / "scripts" / "pytest_plugins")]))
+    env.pop("HMA_UNPATCHED", None)
+    r = subprocess.run([ROOT / ".venv/bin/python", "-m", "pytest", "-p", "hma_pytest",
+                        "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 3, r.stdout[-2000:]
+    assert "the imported vLLM is not patched" in r.stdout + r.stderr
+    assert "make apply" in r.stdout + r.stderr
