@@ -103,7 +103,7 @@ def make_model(name: str, out: Path, tokenizer) -> Path:
     # from_config's init is small (std 0.02): scale the weights up so greedy output varies
     with torch.no_grad():
         g = torch.Generator().manual_seed(SEED)
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
     path = out / name
