@@ -107,14 +107,7 @@ class DualQueueThreadPool:
         tasks: Iterable[Callable],
     ) -> None:
         """Enqueue load tasks for a job (high-priority for load-priority threads)."""
-        state = JobState(job_id, n_tasks)
-        if n_tasks == 0:
-            self._finished_q.append((job_id, []))
-            return
-        with self._condition:
-            for task_idx, fn in enumerate(tasks):
-                self._load_q.append((fn, state, task_idx))
-            self._condition.notify(n_tasks)
+        self._enqueue(self._load_q, job_id, n_tasks, tasks)
 
     def enqueue_store(
         self,
@@ -123,13 +116,22 @@ class DualQueueThreadPool:
         tasks: Iterable[Callable],
     ) -> None:
         """Enqueue store tasks for a job (high-priority for store-priority threads)."""
-        state = JobState(job_id, n_tasks)
-        if n_tasks == 0:
+        self._enqueue(self._store_q, job_id, n_tasks, tasks)
+
+    def _enqueue(
+        self,
+        queue: deque,
+        job_id: JobId,
+        n_tasks: int,
+        tasks: Iterable[Callable],
+    ) -> None:
+        if n_tasks == 0:  # nothing to wait for: the job is done
             self._finished_q.append((job_id, []))
             return
+        state = JobState(job_id, n_tasks)
         with self._condition:
             for task_idx, fn in enumerate(tasks):
-                self._store_q.append((fn, state, task_idx))
+                queue.append((fn, state, task_idx))
             self._condition.notify(n_tasks)
 
     def get_finished(self) -> list[tuple[JobId, list[int]]]:
