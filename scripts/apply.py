@@ -99,7 +99,9 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
     failed: list[str] = []
     for p in patches:
         say(f"applying {p.name}")
-        out = git("am", "-q", "--3way", "--committer-date-is-author-date", str(p),
+        # --keep-non-patch: strip only "[PATCH n/m]", keep "[KV Offloading]" in subjects,
+        # so that `make patches` exports the series byte for byte.
+        out = git("am", "-q", "--3way", "--keep-non-patch", "--committer-date-is-author-date", str(p),
                   cwd=repo, check=False)
         if (repo / ".git" / "rebase-apply").exists():  # git am stopped on this patch
             unmerged = git("diff", "--name-only", "--diff-filter=U", cwd=repo, check=False)
