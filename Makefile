@@ -1,7 +1,10 @@
 # Entry points. Every target prints what it does; `make help` lists them.
 # TARGET=cpu|cuda selects the vLLM build for .venv; VLLM_VERSION=x.y.z another pin.
+# GROUP=project|regression|upstream|e2e and ARGS='<pytest args>' narrow `make test`.
 PY ?= python3
 S := $(PY) scripts
+GROUP ?=
+ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu clean
@@ -9,7 +12,10 @@ S := $(PY) scripts
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-apply: checkout env ## fetch + verify vLLM, build build/vllm with patches/, build .venv (patched)
+apply: ## fetch + verify vLLM, build build/vllm with patches/, build .venv (patched)
+	@$(S)/make_env.py --preflight
+	@$(S)/apply.py
+	@$(S)/make_env.py
 
 checkout: ## build/vllm: pristine tag + one commit per patch (idempotent; FORCE=1 discards local work)
 	@$(S)/apply.py
@@ -17,11 +23,11 @@ checkout: ## build/vllm: pristine tag + one commit per patch (idempotent; FORCE=
 env: ## .venv for TARGET (cpu default, cuda for GPU runners), importing the patched vLLM
 	@$(S)/make_env.py
 
-test: check ## all tests, offline: project, regression, upstream, e2e (CI size); one summary
-	@$(S)/run_tests.py
+test: check ## all tests, offline (GROUP=name ARGS='-k x' for one group or test); one summary
+	@$(S)/run_tests.py $(GROUP) $(if $(ARGS),-- $(ARGS))
 
 test-unpatched: ## the regression tests against pristine vLLM: shows them failing (exits non-zero)
-	@$(S)/run_tests.py --unpatched
+	@$(S)/run_tests.py --unpatched $(GROUP) $(if $(ARGS),-- $(ARGS))
 
 check: ## patches/ and vllm_overlay/ agree, and .venv holds the patched files
 	@$(S)/check_sync.py
@@ -41,5 +47,5 @@ e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, con
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
 	@.venv/bin/python e2e/run_gpu.py
 
-clean: ## remove build/ and .venv (the download cache stays)
-	rm -rf build .venv
+clean: ## remove build/ and .venv (the download cache stays); refuses unexported work in build/vllm
+	@$(S)/clean.py

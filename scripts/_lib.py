@@ -2,9 +2,11 @@
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -17,6 +19,9 @@ OVERLAY = ROOT / "vllm_overlay"
 PATCHES = ROOT / "patches"
 VENV = ROOT / ".venv"
 TARGETS = ("cpu", "cuda")
+# The release patches/ is written against. Another VLLM_VERSION is a port in progress:
+# its checkout is build/vllm-<version>, and `make patches` does not overwrite patches/ with it.
+SERIES_VERSION = "0.22.1"
 
 
 class UserError(Exception):
@@ -33,10 +38,16 @@ def run_main(fn) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # One line, no traceback; every step is safe to run again (downloads land in the
+        # cache only once verified, the checkout and .venv are rebuilt or resumed).
+        print(f"\ninterrupted: {Path(sys.argv[0]).name} stopped; run the same command again "
+              "to resume", file=sys.stderr)
+        sys.exit(130)
 
 
 def vllm_version() -> str:
-    return os.environ.get("VLLM_VERSION") or "0.22.1"
+    return os.environ.get("VLLM_VERSION") or SERIES_VERSION
 
 
 def target() -> str:
@@ -86,7 +97,7 @@ def sh(cmd: list, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], **kw)
 
 
-def git(*args, cwd: Path = CHECKOUT, capture: bool = True, check: bool = True) -> str:
+def git_env() -> dict:
     env = dict(os.environ)
     # Commits made by the scripts are reproducible: same author, same date.
     env.update(
@@ -96,14 +107,21 @@ def git(*args, cwd: Path = CHECKOUT, capture: bool = True, check: bool = True) -
         GIT_COMMITTER_EMAIL="vllm-hma-tiering@localhost",
         GIT_COMMITTER_DATE="2026-01-01T00:00:00+00:00",
     )
+    return env
+
+
+def git(*args, cwd: Path = CHECKOUT, capture: bool = True, check: bool = True,
+        strip: bool = True) -> str:
     r = subprocess.run(
-        ["git", *args], cwd=cwd, env=env, text=True,
+        ["git", *args], cwd=cwd, env=git_env(), text=True,
         stdout=subprocess.PIPE if capture else None,
         stderr=subprocess.PIPE if capture else None,
     )
     if check and r.returncode != 0:
         raise UserError(f"git {' '.join(args)} failed in {cwd}: {(r.stderr or '').strip()}")
-    return (r.stdout or "").strip()
+    out = r.stdout or ""
+    # strip=False for line formats whose first column matters (`status --porcelain`).
+    return out.strip() if strip else out
 
 
 def free_bytes(path: Path) -> int:
@@ -122,4 +140,38 @@ class Timer:
 def checkout_dir(version: str | None = None) -> Path:
     """build/vllm for the pinned release; build/vllm-<version> when VLLM_VERSION differs."""
     version = version or vllm_version()
-    return CHECKOUT if version == "0.22.1" else BUILD / f"vllm-{version}"
+    return CHECKOUT if version == SERIES_VERSION else BUILD / f"vllm-{version}"
+
+
+# pip repeats this for every requirement when a configured --find-links folder is missing;
+# it says nothing about our install. Everything else pip prints is kept.
+PIP_NOISE = re.compile(r"^WARNING: Location .* is ignored")
+PROGRESS_EVERY_S = 15
+
+
+def run_quiet(cmd: list, label: str, *, show: bool = True, **kw) -> tuple[int, list[str]]:
+    """Run cmd with its output captured; print a progress line every PROGRESS_EVERY_S
+    seconds, then (show=True) the lines it printed, less pip's noise. Returns (rc, lines)."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", **kw)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    t0 = last = time.monotonic()
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S:
+                print(f"    ... {label}: {now - t0:.0f} s", flush=True)
+                last = now
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    reader.join()
+    kept = [ln.rstrip("\n") for ln in lines if ln.strip() and not PIP_NOISE.match(ln)]
+    if show:
+        for ln in kept:
+            print(f"    {ln}", flush=True)
+    return proc.returncode, kept

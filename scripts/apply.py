@@ -10,11 +10,12 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
 from _lib import (
-    PATCHES, UserError, Timer, checkout_dir, git, load_pin, run_main, say,
+    PATCHES, SERIES_VERSION, UserError, Timer, checkout_dir, git, git_env, load_pin, run_main, say,
 )
 from fetch import fetch
 
@@ -61,12 +62,19 @@ def create_pristine(pin: dict, repo: Path) -> None:
     os.replace(tmp, repo)
 
 
+# `git am` flags of the checkout. --keep-non-patch strips only "[PATCH n/m]" and keeps
+# "[KV Offloading]" in subjects, so that `make patches` exports the series byte for byte
+# (tests/test_series.py::test_round_trip checks it with these flags).
+AM_ARGS = ("am", "-q", "--3way", "--keep-non-patch", "--committer-date-is-author-date")
+
+
 def check_no_local_work(repo: Path, tag: str) -> None:
     if os.environ.get("FORCE") == "1":
         return
-    dirty = git("status", "--porcelain", cwd=repo)
+    # Not stripped: porcelain lines start with a status column that may be a space.
+    dirty = [ln for ln in git("status", "--porcelain", cwd=repo, strip=False).splitlines() if ln]
     if dirty:
-        files = ", ".join(line[3:] for line in dirty.splitlines()[:5])
+        files = ", ".join(line[3:] for line in dirty[:5]) + (", ..." if len(dirty) > 5 else "")
         raise UserError(
             f"{repo} has uncommitted edits ({files}). Keep them: commit them there "
             f"(git -C {repo} commit -a) and run `make patches`; or discard them: "
@@ -89,38 +97,55 @@ def head(repo: Path) -> str:
 
 
 def conflicting_files(output: str) -> list[str]:
-    files = re.findall(r"(?:patch failed|does not exist in index|already exists in index): ([^:\n]+)", output)
-    return sorted(set(files))
+    """The files git names as not applying: hunks that fail, files missing or already
+    there, 3-way merge conflicts. Files of the patch that applied are not among them."""
+    pats = (r"error: patch failed: ([^:\n]+):\d+",
+            r"error: ([^:\n]+): (?:does not exist in index|already exists in (?:index|working directory)|patch does not apply)",
+            r"CONFLICT \([^)]*\): (?:Merge conflict in )?(\S+)")
+    found: list[str] = []
+    for pat in pats:
+        found += re.findall(pat, output)
+    return sorted(set(found))
+
+
+def files_that_do_not_apply(repo: Path, patch: Path) -> list[str]:
+    """Fallback when git's messages name no file: check the patch one file at a time."""
+    touched = sorted(set(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(errors="replace"), re.M)))
+    return [f for f in touched
+            if subprocess.run(["git", "apply", "--check", f"--include={f}", str(patch)],
+                              cwd=repo, capture_output=True).returncode != 0]
 
 
 def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
+    """Apply the series one commit per patch. At the first patch that does not apply, stop,
+    name the files that really conflict (one per line) and the later patches (not tried:
+    they build on it), and leave the pristine tag rather than a half-applied series."""
     git("reset", "-q", "--hard", tag, cwd=repo)
     git("clean", "-q", "-fdx", "-e", "__pycache__", cwd=repo)
-    failed: list[str] = []
-    for p in patches:
-        say(f"applying {p.name}")
-        # --keep-non-patch: strip only "[PATCH n/m]", keep "[KV Offloading]" in subjects,
-        # so that `make patches` exports the series byte for byte.
-        out = git("am", "-q", "--3way", "--keep-non-patch", "--committer-date-is-author-date", str(p),
-                  cwd=repo, check=False)
-        if (repo / ".git" / "rebase-apply").exists():  # git am stopped on this patch
-            unmerged = git("diff", "--name-only", "--diff-filter=U", cwd=repo, check=False)
-            am_out = git("am", "--show-current-patch=diff", cwd=repo, check=False)
-            files = unmerged.split() or conflicting_files(out + am_out)
-            if not files:
-                files = sorted(set(re.findall(r"^\+\+\+ b/(\S+)", am_out, re.M)))
-            git("am", "--abort", cwd=repo, check=False)
-            say(f"  does not apply: {', '.join(files)}")
-            failed.append(f"{p.name} (conflicting files: {', '.join(files)})")
-    if failed:
-        # Report every patch, then leave the pristine tag rather than a half-applied series.
+    for i, p in enumerate(patches):
+        r = subprocess.run(["git", *AM_ARGS, str(p)], cwd=repo, env=git_env(),
+                           capture_output=True, text=True)
+        if r.returncode == 0 and not (repo / ".git" / "rebase-apply").exists():
+            continue
+        unmerged = git("diff", "--name-only", "--diff-filter=U", cwd=repo, check=False).split()
+        files = unmerged or conflicting_files(r.stdout + r.stderr)
+        git("am", "--abort", cwd=repo, check=False)
         git("reset", "-q", "--hard", tag, cwd=repo)
-        raise UserError(
-            f"{len(failed)} of {len(patches)} patch(es) do not apply on {tag}: "
-            + "; ".join(failed)
-            + f". The checkout was left at the pristine tag {tag}; port each patch there, "
-            "commit, and run `make patches`"
-        )
+        git("clean", "-q", "-fdx", "-e", "__pycache__", cwd=repo)
+        if not files:
+            files = files_that_do_not_apply(repo, p) or ["(git named no file; see below)"]
+        later = [q.name for q in patches[i + 1:]]
+        msg = (f"patches/{p.name} (patch {i + 1} of {len(patches)}) does not apply on {tag}; "
+               f"conflicting file(s):\n" + "".join(f"  {f}\n" for f in files))
+        if later:
+            msg += f"not tried (they build on it): {len(later)} patch(es), {later[0]} to {later[-1]}\n"
+        if files[0].startswith("(git named"):
+            msg += "git said:\n" + "".join(f"  {ln}\n" for ln in (r.stdout + r.stderr).splitlines()[:8])
+        msg += (f"The checkout {repo} was left at the pristine tag {tag}. To port the series: "
+                f"`git -C {repo} am -3 --keep-non-patch {p}`, resolve, `git am --continue`, then "
+                f"the next patches; export the port with "
+                f"`scripts/export_patches.py --out <dir>` (patches/ stays the {SERIES_VERSION} series)")
+        raise UserError(msg)
 
 
 def main() -> None:
@@ -139,6 +164,7 @@ def main() -> None:
             say(f"{repo.name}: {len(patches)} patch(es) on {tag}, already applied")
             return
         check_no_local_work(repo, tag)
+        say(f"applying {len(patches)} patch(es) from patches/ on {tag}")
         apply_series(repo, tag, patches)
         state.write_text(f"{digest} {git('rev-parse', 'HEAD', cwd=repo)}\n")
     say(f"{repo.name}: {len(patches)} patch(es) applied on {tag} in {t.elapsed:.1f} s")

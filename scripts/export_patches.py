@@ -1,30 +1,76 @@
 #!/usr/bin/env python3
 """Export the commits on top of the pristine tag in build/vllm to patches/, then regenerate
-vllm_overlay/ from them. patches/ is the source of truth; the overlay is its generated view."""
+vllm_overlay/ from them and bring .venv up to date. patches/ is the source of truth; the
+overlay is its generated view.
 
+Usage: export_patches.py [--out DIR]
+  --out DIR  write the series to DIR only (patches/, vllm_overlay/ and .venv untouched):
+             how a port to another VLLM_VERSION is exported.
+
+Refuses, without touching anything, to write an empty series (no commit past the tag) and to
+overwrite patches/ (the series of _lib.SERIES_VERSION) from the checkout of another VLLM_VERSION.
+"""
+
+import argparse
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
-from _lib import OVERLAY, PATCHES, UserError, checkout_dir, git, load_pin, run_main, say
+from _lib import (
+    OVERLAY, PATCHES, ROOT, SERIES_VERSION, VENV, UserError, checkout_dir, git, load_pin,
+    run_main, say,
+)
 from apply import STATE, series, series_digest
 
+# --zero-commit and --no-signature keep the files byte-stable across exports; the round trip
+# (apply.AM_ARGS, then these) gives back the same bytes (tests/test_series.py).
+FORMAT_PATCH_ARGS = ("format-patch", "-q", "--zero-commit", "--no-signature", "--full-index")
 
-def export_series(repo, tag: str) -> None:
+
+def format_patch(repo: Path, tag: str, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    git(*FORMAT_PATCH_ARGS, "-o", str(out), f"{tag}..HEAD", cwd=repo)
+    return sorted(out.glob("*.patch"))
+
+
+def check_exportable(repo: Path, tag: str, version: str, out: Path | None) -> int:
     if git("status", "--porcelain", cwd=repo):
         say(f"warning: {repo} has uncommitted edits; only commits are exported "
             "(commit them, one commit per concern, and run `make patches` again)")
-    for p in series():
-        p.unlink()
-    PATCHES.mkdir(exist_ok=True)
-    # --zero-commit and --no-signature keep the files byte-stable across exports.
-    git("format-patch", "-q", "--zero-commit", "--no-signature", "--full-index",
-        "-o", str(PATCHES), f"{tag}..HEAD", cwd=repo)
-    for p in series():
-        say(f"exported {p.name}")
+    n = int(git("rev-list", "--count", f"{tag}..HEAD", cwd=repo))
+    if n == 0:
+        raise UserError(
+            f"{repo} has no commit past {tag}: exporting would delete the whole series. "
+            "Nothing was written; `make apply` rebuilds the checkout from patches/")
+    if out is None and version != SERIES_VERSION:
+        raise UserError(
+            f"patches/ is the series for vLLM {SERIES_VERSION}; {repo} is vLLM {version}. "
+            "Nothing was written. Export a port elsewhere: "
+            f"`VLLM_VERSION={version} scripts/export_patches.py --out build/patches-{version}`")
+    return n
+
+
+def export_series(repo: Path, tag: str) -> None:
+    # Into a scratch folder first: patches/ is replaced only by a complete export.
+    with tempfile.TemporaryDirectory(dir=ROOT / "build") as tmp:
+        new = format_patch(repo, tag, Path(tmp))
+        old = {p.name: p.read_bytes() for p in series()}
+        for p in series():
+            p.unlink()
+        PATCHES.mkdir(exist_ok=True)
+        for p in new:
+            shutil.move(p, PATCHES / p.name)
+    changed = [p.name for p in series() if old.get(p.name) != p.read_bytes()]
+    gone = sorted(old.keys() - {p.name for p in series()})
+    say(f"exported {len(series())} patch(es) to patches/: "
+        + (", ".join(changed) + " changed" if changed else "none changed")
+        + (f"; removed {', '.join(gone)}" if gone else ""))
     head = git("rev-parse", "HEAD", cwd=repo)
     (repo / ".git" / STATE).write_text(f"{series_digest(series())} {head}\n")
 
 
-def export_overlay(repo, tag: str) -> None:
+def export_overlay(repo: Path, tag: str) -> None:
     changed = git("diff", "--name-only", "--no-renames", "--diff-filter=AM", tag, "HEAD", cwd=repo).split()
     deleted = git("diff", "--name-only", "--diff-filter=D", tag, "HEAD", cwd=repo).split()
     if deleted:
@@ -37,19 +83,40 @@ def export_overlay(repo, tag: str) -> None:
     say(f"regenerated vllm_overlay/ ({len(changed)} file(s))")
 
 
-def git_blob(repo, rev: str) -> bytes:
-    import subprocess
-
+def git_blob(repo: Path, rev: str) -> bytes:
     return subprocess.run(["git", "show", rev], cwd=repo, check=True, stdout=subprocess.PIPE).stdout
 
 
+def update_venv() -> None:
+    """`make test` checks that .venv holds the patched files: bring it up to date now."""
+    if not (VENV / "bin" / "python").exists():
+        say("no .venv yet: `make apply` builds it with this series")
+        return
+    from make_env import install_series
+
+    install_series()
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="write the series here only")
+    opts = ap.parse_args()
     pin = load_pin()
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make apply` first")
+    n = check_exportable(repo, pin["tag"], pin["version"], opts.out)
+    if opts.out is not None:
+        for p in opts.out.glob("*.patch"):
+            p.unlink()
+        written = format_patch(repo, pin["tag"], opts.out)
+        say(f"exported {len(written)} patch(es) of {repo.name} to {opts.out}")
+        return
+    say(f"exporting {n} commit(s) of {repo.name} past {pin['tag']}")
     export_series(repo, pin["tag"])
     export_overlay(repo, pin["tag"])
+    update_venv()
+    say("next: `make test` (or `make test GROUP=regression`)")
 
 
 if __name__ == "__main__":

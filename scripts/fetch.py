@@ -11,13 +11,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _lib import UserError, Timer, cache_dir, load_pin, run_main, say, sh, sha256_of, target
+from _lib import (
+    UserError, Timer, cache_dir, load_pin, run_main, run_quiet, say, sh, sha256_of, target,
+)
 
-# Only what setup.py needs to produce metadata for the sdist (see the facts file):
-# pip cannot download vLLM's sdist without building its metadata.
+# pip cannot download vLLM's sdist without building its metadata, and vLLM's setup.py
+# imports torch to do so (with VLLM_TARGET_DEVICE=empty nothing is compiled). This
+# environment only ever produces that metadata; the torch vLLM runs on is the pin's
+# (pins/vllm-0.22.1.toml: 2.11.0, locked in requirements/cpu-0.22.1.txt). Any torch works
+# here, so it is the one that costs nothing: on the project machines a CPU build of torch
+# 2.13.0 for Python 3.11 lies on disk and pip takes it without the network, where
+# torch==2.11.0 would be a CUDA build of several GB from PyPI.
+BOOTSTRAP_TORCH = "torch==2.13.0"
 BOOTSTRAP_PACKAGES = [
     "setuptools", "setuptools-scm", "setuptools-rust", "wheel", "packaging",
-    "jinja2", "numpy", "cmake", "ninja", "torch==2.13.0",
+    "jinja2", "numpy", "cmake", "ninja", BOOTSTRAP_TORCH,
 ]
 
 
@@ -31,11 +39,13 @@ def bootstrap_python() -> Path:
     py = venv / "bin" / "python"
     stamp = venv / ".complete"
     if not stamp.exists():
-        say(f"creating the sdist bootstrap environment in {venv} (about 1 min, once)")
+        say(f"creating the sdist bootstrap environment in {venv} (about 1 min, once; "
+            f"{BOOTSTRAP_TORCH} there only builds the sdist's metadata)")
         shutil.rmtree(venv, ignore_errors=True)
         sh([sys.executable, "-m", "venv", venv])
-        r = sh([py, "-m", "pip", "install", "-q", *BOOTSTRAP_PACKAGES], check=False)
-        if r.returncode != 0:
+        rc, _ = run_quiet([py, "-m", "pip", "install", "-q", *BOOTSTRAP_PACKAGES],
+                          "installing the bootstrap packages")
+        if rc != 0:
             raise UserError(
                 "could not install the sdist bootstrap packages "
                 f"({' '.join(BOOTSTRAP_PACKAGES)}) from the package index (PyPI); "
@@ -59,10 +69,10 @@ def download(pin: dict, kind: str, dest: Path) -> None:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "-d", dest, spec]
         index_kind = "binary wheel on the package index (PyPI)"
-    r = sh(cmd, env=env, check=False, capture_output=True, text=True)
+    rc, lines = run_quiet(cmd, f"downloading {art['file']}", show=False, env=env)
     got = dest / art["file"]
-    if r.returncode != 0 or not got.exists():
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-3:])
+    if rc != 0 or not got.exists():
+        tail = "\n".join(lines[-3:])
         raise UserError(
             f"could not fetch {art['file']} ({spec}) as a {index_kind}, and it is not in the "
             f"cache {cache_dir()}; check the network, or copy the file into "

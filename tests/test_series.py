@@ -70,6 +70,7 @@ def test_apply_builds_the_series_and_is_idempotent(project_copy):
     refused = run_script(project_copy, "apply.py")
     assert refused.returncode == 2
     assert "uncommitted edits" in refused.stderr and "FORCE=1" in refused.stderr
+    assert "(vllm/v1/kv_offload/tiering/spec.py)" in refused.stderr
     assert spec.read_text().endswith("# mine\n")
 
     # ...nor are local commits that were not exported.
@@ -81,22 +82,107 @@ def test_apply_builds_the_series_and_is_idempotent(project_copy):
     assert git(repo, "rev-parse", "HEAD") == head
 
 
-def test_a_series_that_does_not_apply_leaves_the_pristine_tag(project_copy):
+def test_a_series_that_does_not_apply_names_the_first_patch_and_its_conflicts(project_copy):
     # A patch written against other code: its context is not in 0.22.1, and its blobs
     # are unknown, so no 3-way merge can rescue it (as with a series on another release).
+    # Placed first, so every real patch after it is "not tried".
     first = sorted((project_copy / "patches").glob("*.patch"))[0]
     text = re.sub(r"^index \S+", "index " + "1" * 40 + ".." + "2" * 40, first.read_text(),
                   flags=re.M)
     text = text.replace(" # Create primary tier (CPU-based)", " # Create the primary tier")
-    patches = [project_copy / "patches" / "9999-KV-Offloading-conflicting.patch"]
-    patches[0].write_text(text)
+    bad = project_copy / "patches" / "0000-KV-Offloading-conflicting.patch"
+    bad.write_text(text)
+    n_real = len(list((project_copy / "patches").glob("*.patch"))) - 1
     r = run_script(project_copy, "apply.py")
-    assert r.returncode == 2
-    assert patches[0].name in r.stderr
-    assert "vllm/v1/kv_offload/tiering/spec.py" in r.stderr
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.splitlines()
+    assert bad.name in err[0] and f"patch 1 of {n_real + 1}" in err[0], r.stderr
+    # the conflicting file, alone on its line; the file the patch adds applied, so unnamed
+    assert "  vllm/v1/kv_offload/tiering/spec.py" in err, r.stderr
+    assert "test_tiering_hma.py" not in r.stderr
+    assert f"not tried (they build on it): {n_real} patch(es), {first.name}" in r.stderr
+    assert "--out" in r.stderr
     repo = project_copy / "build/vllm"
     assert git(repo, "rev-parse", "HEAD") == git(repo, "rev-parse", "v0.22.1^{commit}")
     assert git(repo, "status", "--porcelain") == ""
+
+
+def test_round_trip_apply_then_export_changes_no_byte(tmp_path):
+    """make checkout, then make patches, gives back patches/ byte for byte: same flags as
+    scripts/apply.py (git am) and scripts/export_patches.py (git format-patch), in a
+    scratch clone of build/vllm's objects (the real checkout is not touched)."""
+    import apply
+    import export_patches
+
+    pin = _lib.load_pin(_lib.SERIES_VERSION)
+    if not (_lib.CHECKOUT / ".git").exists():
+        pytest.fail(f"no checkout at {_lib.CHECKOUT}: run `make apply` first")
+    clone = tmp_path / "vllm"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(_lib.CHECKOUT),
+                    str(clone)], check=True)
+    git(clone, "checkout", "-q", pin["tag"])
+    patches = apply.series()
+    apply.apply_series(clone, pin["tag"], patches)
+    out = export_patches.format_patch(clone, pin["tag"], tmp_path / "exported")
+    assert [p.name for p in out] == [p.name for p in patches]
+    for old, new in zip(patches, out):
+        assert new.read_bytes() == old.read_bytes(), f"{old.name} changes in the round trip"
+
+
+def _fake_checkout(path, tag, commits: int):
+    """A tiny git repo standing in for build/vllm: a tag and `commits` commits past it."""
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "config", "user.name", "t")
+    git(path, "config", "user.email", "t@localhost")
+    (path / "a.py").write_text("a = 1\n")
+    git(path, "add", "a.py")
+    git(path, "commit", "-qm", "pristine")
+    git(path, "tag", tag)
+    for i in range(commits):
+        (path / "a.py").write_text(f"a = {i + 2}\n")
+        git(path, "commit", "-qam", f"[KV Offloading] change {i}")
+
+
+def _snapshot(root):
+    return {p.relative_to(root): p.read_bytes()
+            for d in ("patches", "vllm_overlay") for p in (root / d).rglob("*") if p.is_file()}
+
+
+def test_export_refuses_an_empty_series(project_copy):
+    _fake_checkout(project_copy / "build" / "vllm", "v0.22.1", commits=0)
+    before = _snapshot(project_copy)
+    r = run_script(project_copy, "export_patches.py")
+    assert r.returncode == 2
+    assert "no commit past v0.22.1" in r.stderr and "Nothing was written" in r.stderr
+    assert _snapshot(project_copy) == before
+
+
+def test_export_of_another_version_does_not_touch_the_series(project_copy, tmp_path):
+    _fake_checkout(project_copy / "build" / "vllm-0.23.0", "v0.23.0", commits=1)
+    before = _snapshot(project_copy)
+    r = run_script(project_copy, "export_patches.py", env={"VLLM_VERSION": "0.23.0"})
+    assert r.returncode == 2
+    assert "series for vLLM 0.22.1" in r.stderr and "--out" in r.stderr
+    assert _snapshot(project_copy) == before
+    # ...and the port is exported where it is asked to go
+    out = tmp_path / "port"
+    r = run_script(project_copy, "export_patches.py", "--out", str(out),
+                   env={"VLLM_VERSION": "0.23.0"})
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in out.glob("*.patch")] == ["0001-KV-Offloading-change-0.patch"]
+    assert _snapshot(project_copy) == before
+
+
+def test_uncommitted_edits_are_named_with_their_full_path(tmp_path):
+    import apply
+
+    repo = tmp_path / "vllm"
+    _fake_checkout(repo, "v0.22.1", commits=0)
+    (repo / "a.py").write_text("mine\n")
+    with pytest.raises(_lib.UserError) as e:
+        apply.check_no_local_work(repo, "v0.22.1")
+    assert "(a.py)" in str(e.value)
 
 
 def test_the_environment_imports_the_patched_vllm():
@@ -128,3 +214,18 @@ def test_a_session_on_unpatched_vllm_aborts_at_start(tmp_path):
     assert r.returncode == 3, r.stdout[-2000:]
     assert "the imported vLLM is not patched" in r.stdout + r.stderr
     assert "make apply" in r.stdout + r.stderr
+
+
+def test_clean_never_removes_unexported_work(project_copy):
+    repo = project_copy / "build" / "vllm"
+    _fake_checkout(repo, "v0.22.1", commits=0)
+    (repo / "a.py").write_text("mine\n")
+    r = run_script(project_copy, "clean.py")
+    assert r.returncode == 2 and "Nothing was removed" in r.stderr
+    assert (repo / "a.py").read_text() == "mine\n"
+    git(repo, "commit", "-qam", "mine")
+    r = run_script(project_copy, "clean.py")
+    assert r.returncode == 2 and "make patches" in r.stderr
+    r = run_script(project_copy, "clean.py", env={"FORCE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert not (project_copy / "build").exists()
