@@ -20,7 +20,7 @@ For the e2e harness it also logs two lines the runner reads from the engine log:
 import ctypes
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -46,15 +46,6 @@ from vllm.v1.kv_offload.worker.worker import (
 
 # under the "vllm" logger so the engine's log configuration prints these lines
 logger = init_logger("vllm.e2e.cpu_copy_spec")
-
-
-def _per_group(value: int | Sequence[int], num_groups: int) -> list[int]:
-    """block_size_factor is an int upstream; accept a per-group sequence too."""
-    if isinstance(value, (int, np.integer)):
-        return [int(value)] * num_groups
-    values = [int(v) for v in value]
-    assert len(values) == num_groups, (values, num_groups)
-    return values
 
 
 class CpuCopyHandler(OffloadingHandler):
@@ -135,10 +126,11 @@ class CpuCopyHandler(OffloadingHandler):
 class CpuCopyHandlers:
     """Same constructor arguments and CPU tensor layout as CpuGpuOffloadingHandlers."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, block_size_factor, num_cpu_blocks: int,
+    def __init__(self, kv_caches: CanonicalKVCaches, block_size_factor: int, num_cpu_blocks: int,
                  mmap_region: SharedOffloadRegion | None = None, **_ignored):
-        factors = _per_group(block_size_factor, len(kv_caches.group_data_refs))
-        row_factor = max(factors)
+        # GPU blocks per offloaded block: one int for every group, as upstream's handlers take
+        factors = [int(block_size_factor)] * len(kv_caches.group_data_refs)
+        row_factor = int(block_size_factor)
         gpu_tensors, cpu_tensors = [], []
         for t in kv_caches.tensors:
             assert t.tensor.device.type == "cpu", "this spec is for the CPU platform only"
@@ -192,8 +184,7 @@ class CpuCopyTieringSpec(TieringOffloadingSpec):
             num_workers=world_size,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
-        factor = getattr(self, "block_size_factors", None) or self.block_size_factor
-        return CpuCopyHandlers(kv_caches=kv_caches, block_size_factor=factor,
+        return CpuCopyHandlers(kv_caches=kv_caches, block_size_factor=self.block_size_factor,
                                num_cpu_blocks=self.num_blocks, mmap_region=worker_mmap)
 
     def get_handlers(

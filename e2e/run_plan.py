@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +46,38 @@ SMALL_ROWS_PER_GROUP = 24     # small CPU tier: 24 rows per KV cache group, belo
                               # (~19 prefix blocks per group + 1-2 per document) but above
                               # what one request needs
 UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
+
+
+@dataclass
+class ArmResult:
+    """One server run (model x scenario x arm) and what was measured in it; None = not
+    measured or not applicable (printed as "-")."""
+
+    model: str
+    scenario: str
+    arm: str                              # noconn | warm | cold
+    status: str = "?"                     # ran | FAILED
+    samples: int = 0
+    parity: str = "-"                     # reference | identical | DIFF n/m
+    disk_keys: int | None = None          # keys the fs tier promoted (cpu_copy_spec log)
+    cpu_to_gpu_bytes: int | None = None   # vllm:kv_offload_total_bytes{CPU_to_GPU}
+    gpu_to_cpu_bytes: int | None = None
+    cpu_blocks: int | None = None
+    fs_files: int | None = None
+    start_s: float | None = None
+    dur_s: float | None = None
+    error: str | None = None
+    groups: str | None = None             # the e2e-spec "kv cache groups" log line
+    verdict: str | None = None
+    samples_map: dict = field(default_factory=dict, repr=False)  # doc_id -> responses
+
+    def ran(self) -> bool:
+        return self.status == "ran"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        del d["samples_map"]
+        return d
 
 
 def ensure_inputs(num_test: int, models: list[str]) -> Path:
@@ -73,10 +106,8 @@ def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
 
 
 def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
-            num_concurrent: int, args, pythonpath: list[str]) -> dict:
-    row = {"model": model, "scenario": scenario, "arm": arm, "samples": 0, "parity": "-",
-           "disk_keys": "-", "cpu_to_gpu_bytes": "-", "start_s": None, "dur_s": None,
-           "status": "?", "error": None, "groups": None}
+            num_concurrent: int, args, pythonpath: list[str]) -> ArmResult:
+    row = ArmResult(model, scenario, arm)
     log = run_dir / f"{arm}.server.log"
     t0 = time.monotonic()
     shm_before = set(glob.glob("/dev/shm/vllm_offload_*"))
@@ -92,35 +123,34 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
     say(f"{model}/{scenario}/{arm}: starting server on port {server.port} (log {log})")
     try:
         with server:
-            row["start_s"] = round(server.start_s, 1)
+            row.start_s = round(server.start_s, 1)
             say(f"{model}/{scenario}/{arm}: healthy after {server.start_s:.1f} s; lm_eval "
                 f"num_concurrent={num_concurrent}")
-            row["samples_map"] = run_lm_eval(server, MODELS_DIR / "tokenizer", args.task_dir,
-                                             run_dir / f"{arm}.lm_eval", num_concurrent,
-                                             run_dir / f"{arm}.lm_eval.log", args.limit)
+            row.samples_map = run_lm_eval(server, MODELS_DIR / "tokenizer", args.task_dir,
+                                          run_dir / f"{arm}.lm_eval", num_concurrent,
+                                          run_dir / f"{arm}.lm_eval.log", args.limit)
             m = server.metrics()
             if kv is not None:
-                row["cpu_to_gpu_bytes"] = int(m.get("vllm:kv_offload_total_bytes_total[CPU_to_GPU]", 0))
-            row["gpu_to_cpu_bytes"] = int(m.get("vllm:kv_offload_total_bytes_total[GPU_to_CPU]", 0))
-            row["samples"] = len(row["samples_map"])
-            row["status"] = "ran"
+                row.cpu_to_gpu_bytes = int(m.get("vllm:kv_offload_total_bytes_total[CPU_to_GPU]", 0))
+            row.gpu_to_cpu_bytes = int(m.get("vllm:kv_offload_total_bytes_total[GPU_to_CPU]", 0))
+            row.samples = len(row.samples_map)
+            row.status = "ran"
     except E2EError as e:
-        row["status"] = "FAILED"
-        row["error"] = str(e).splitlines()[0]
+        row.status = "FAILED"
+        row.error = str(e).splitlines()[0]
         say(f"{model}/{scenario}/{arm}: {e}\n  server log tail:\n{log_tail(log)}")
     finally:
         for f in set(glob.glob("/dev/shm/vllm_offload_*")) - shm_before:
             Path(f).unlink(missing_ok=True)  # left behind if the engine was killed
     c = spec_log_counts(log)
-    row["groups"] = c["groups"]
+    row.groups = c["groups"]
     if kv is not None:
         fs_root = Path(kv["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"])
-        row["fs_files"] = sum(1 for _ in fs_root.rglob("*.bin"))
+        row.fs_files = sum(1 for _ in fs_root.rglob("*.bin"))
         m = re.search(r"cpu_blocks=(\d+)", c["groups"] or "")
-        row["cpu_blocks"] = int(m.group(1)) if m else "-"
-    if kv is not None:
-        row["disk_keys"] = c["promoted_keys"]
-    row["dur_s"] = round(time.monotonic() - t0, 1)
+        row.cpu_blocks = int(m.group(1)) if m else None
+        row.disk_keys = c["promoted_keys"]
+    row.dur_s = round(time.monotonic() - t0, 1)
     return row
 
 
@@ -148,8 +178,8 @@ def startup_error(log: Path) -> str | None:
     return None
 
 
-def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: dict | None,
-                 cpu_row_bytes: int | None) -> list[dict]:
+def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
+                 ref: ArmResult | None, cpu_row_bytes: tuple[int, int] | None) -> list[ArmResult]:
     sc = SCENARIOS[scenario]
     run_dir = args.out / model / scenario
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -160,7 +190,7 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
         cpu_bytes = SMALL_ROWS_PER_GROUP * n_groups * row_bytes
     else:
         cpu_bytes = CPU_BYTES
-    rows = []
+    rows: list[ArmResult] = []
     arms = ["warm", "cold"] if (sc["small"] and ref is not None) else ["noconn", "warm", "cold"]
     if args.unpatched and MODELS[model]["hma"]:
         arms = ["warm"]
@@ -169,60 +199,62 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str], ref: di
         kv = None if arm == "noconn" else kv_config(fs_root, cpu_bytes, gpu=args.gpu)
         rows.append(run_arm(model, scenario, arm, run_dir, kv, sc["num_concurrent"], args,
                             pythonpath))
-        if rows[-1]["status"] == "FAILED" and arm != "cold":
+        if not rows[-1].ran() and arm != "cold":
             break
     # verdicts
-    base = next((r for r in rows if r["arm"] == "noconn" and r["status"] == "ran"), ref)
+    base = next((r for r in rows if r.arm == "noconn" and r.ran()), ref)
     for r in rows:
-        if r["status"] != "ran" or base is None or r is base:
+        if not r.ran() or base is None or r is base:
             continue
-        diff = [d for d in base["samples_map"] if r["samples_map"].get(d) != base["samples_map"][d]]
-        r["parity"] = "identical" if not diff and len(r["samples_map"]) == len(base["samples_map"]) \
-            else f"DIFF {len(diff)}/{len(base['samples_map'])}"
+        diff = [d for d in base.samples_map if r.samples_map.get(d) != base.samples_map[d]]
+        r.parity = "identical" if not diff and len(r.samples_map) == len(base.samples_map) \
+            else f"DIFF {len(diff)}/{len(base.samples_map)}"
     if base is not None and base in rows:
-        base["parity"] = "reference"
+        base.parity = "reference"
     if args.unpatched and MODELS[model]["hma"]:
         r = rows[0]
         err = startup_error(args.out / model / scenario / "warm.server.log")
-        ok = r["status"] == "FAILED" and err is not None and UNPATCHED_ASSERT in (err or "")
-        r["verdict"] = "PASS (expected start-up failure)" if ok else "FAIL (expected the assertion)"
-        r["error"] = err or r["error"]
+        ok = r.status == "FAILED" and err is not None and UNPATCHED_ASSERT in err
+        r.verdict = "PASS (expected start-up failure)" if ok else "FAIL (expected the assertion)"
+        r.error = err or r.error
         return rows
-    cold = next((r for r in rows if r["arm"] == "cold"), None)
-    failed = [r for r in rows if r["status"] != "ran"
-              or r["parity"] not in ("identical", "reference")]
+    cold = next((r for r in rows if r.arm == "cold"), None)
+    failed = [r for r in rows if not r.ran() or r.parity not in ("identical", "reference")]
     # disk_keys comes from cpu_copy_spec's log line; with --gpu (plain spec) only the metric
-    disk_ok = cold is not None and cold["status"] == "ran" and cold["cpu_to_gpu_bytes"] not in (
-        "-", 0) and (args.gpu or cold["disk_keys"] not in ("-", 0))
+    disk_ok = cold is not None and cold.ran() and bool(cold.cpu_to_gpu_bytes) and (
+        args.gpu or bool(cold.disk_keys))
     verdict = "PASS" if not failed and disk_ok else "FAIL"
     if args.corrupt_loads:  # negative control: the cold arm's loads were garbled on purpose
-        detected = cold is not None and str(cold["parity"]).startswith("DIFF") and disk_ok
+        detected = cold is not None and cold.parity.startswith("DIFF") and disk_ok
         verdict = "PASS (corruption detected)" if detected else "FAIL (corruption not detected)"
         failed = [] if detected else failed
     for r in rows:
-        r["verdict"] = verdict
+        r.verdict = verdict
     if verdict == "FAIL":
-        why = [f"{r['arm']}: {r['status']} {r['parity']}" for r in failed]
+        why = [f"{r.arm}: {r.status} {r.parity}" for r in failed]
         if not disk_ok:
             why.append("cold arm loaded nothing from disk")
         say(f"{model}/{scenario}: FAIL ({'; '.join(why)})")
     return rows
 
 
-def print_table(rows: list[dict], path: Path | None = None) -> str:
+def cell(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def print_table(rows: list[ArmResult], path: Path | None = None) -> str:
     hdr = ["model", "scenario", "arm", "samples", "parity", "disk_keys", "cpu_to_gpu_B",
            "cpu_blocks", "fs_files", "start_s", "dur_s", "verdict"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in rows:
-        lines.append("| " + " | ".join(str(x) for x in [
-            r["model"], r["scenario"], r["arm"], r["samples"], r["parity"], r["disk_keys"],
-            r["cpu_to_gpu_bytes"], r.get("cpu_blocks", "-"), r.get("fs_files", "-"),
-            r["start_s"], r["dur_s"], r.get("verdict", "-")]) + " |")
-    errs = [f"- {r['model']}/{r['scenario']}/{r['arm']}: {r['error']}" for r in rows if r.get("error")]
-    groups = {}
+        lines.append("| " + " | ".join(cell(x) for x in [
+            r.model, r.scenario, r.arm, r.samples, r.parity, r.disk_keys, r.cpu_to_gpu_bytes,
+            r.cpu_blocks, r.fs_files, r.start_s, r.dur_s, r.verdict]) + " |")
+    errs = [f"- {r.model}/{r.scenario}/{r.arm}: {r.error}" for r in rows if r.error]
+    groups: dict[str, str] = {}
     for r in rows:
-        if r.get("groups"):
-            groups.setdefault(r["model"], r["groups"])
+        if r.groups:
+            groups.setdefault(r.model, r.groups)
     text = "\n".join(lines)
     if groups:
         text += "\n\nKV cache groups (from the engine, e2e-spec log line):\n" + "\n".join(
@@ -267,7 +299,7 @@ def main(argv=None) -> int:
         say(f"unpatched: PYTHONPATH={pythonpath[0]}")
         args.scenarios = ["base"]
         args.out = args.out.parent / (args.out.name + "-unpatched")
-    all_rows: list[dict] = []
+    all_rows: list[ArmResult] = []
     per_model: dict[str, float] = {}
     for model in args.models:
         t_model = time.monotonic()
@@ -275,25 +307,24 @@ def main(argv=None) -> int:
         for scenario in args.scenarios:
             rows = run_scenario(model, scenario, args, pythonpath, ref, row_bytes)
             for r in rows:
-                if r["arm"] == "noconn" and r["status"] == "ran" and scenario == "base":
+                if r.arm == "noconn" and r.ran() and scenario == "base":
                     ref = r
-                if r.get("groups") and row_bytes is None:
-                    m = re.search(r"count=(\d+).*cpu_row_bytes=(\d+)", r["groups"])
+                if r.groups and row_bytes is None:
+                    m = re.search(r"count=(\d+).*cpu_row_bytes=(\d+)", r.groups)
                     row_bytes = (int(m.group(2)), int(m.group(1))) if m else None
             all_rows += rows
             args.out.mkdir(parents=True, exist_ok=True)
             with open(args.out / "results.partial.json", "w") as f:  # progress, if interrupted
-                json.dump([{k: v for k, v in r.items() if k != "samples_map"} for r in all_rows],
-                          f, indent=1)
+                json.dump([r.to_json() for r in all_rows], f, indent=1)
         per_model[model] = round(time.monotonic() - t_model, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     print_table(all_rows, args.out / "results.md")
     with open(args.out / "results.json", "w") as f:
-        json.dump([{k: v for k, v in r.items() if k != "samples_map"} for r in all_rows], f, indent=1)
+        json.dump([r.to_json() for r in all_rows], f, indent=1)
     say("duration per model (s): " + ", ".join(f"{m}={s}" for m, s in per_model.items())
         + f"; total {time.monotonic() - t_all:.0f} s; results in {args.out}/results.md")
-    bad = sorted({f"{r['model']}/{r['scenario']}" for r in all_rows
-                  if not str(r.get("verdict", "")).startswith("PASS")})
+    bad = sorted({f"{r.model}/{r.scenario}" for r in all_rows
+                  if not (r.verdict or "").startswith("PASS")})
     if bad:
         say("FAILED: " + ", ".join(bad) + " - see the table and the logs under " + str(args.out))
         return 1

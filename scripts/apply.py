@@ -15,7 +15,8 @@ import tarfile
 from pathlib import Path
 
 from _lib import (
-    PATCHES, SERIES_VERSION, UserError, Timer, checkout_dir, git, git_env, load_pin, run_main, say,
+    PATCHES, ROOT, SERIES_VERSION, UserError, Timer, checkout_dir, git, git_env, load_pin,
+    run_main, say,
 )
 from fetch import fetch
 
@@ -161,13 +162,13 @@ def main() -> None:
         if state.exists() and state.read_text().split() == [digest, head(repo)] and not git(
             "status", "--porcelain", cwd=repo
         ):
-            say(f"{repo.name}: {len(patches)} patch(es) on {tag}, already applied")
+            say(f"{repo.relative_to(ROOT)}: {len(patches)} patch(es) on {tag}, already applied")
             return
         check_no_local_work(repo, tag)
         say(f"applying {len(patches)} patch(es) from patches/ on {tag}")
         apply_series(repo, tag, patches)
         state.write_text(f"{digest} {git('rev-parse', 'HEAD', cwd=repo)}\n")
-    say(f"{repo.name}: {len(patches)} patch(es) applied on {tag} in {t.elapsed:.1f} s")
+    say(f"{repo.relative_to(ROOT)}: {len(patches)} patch(es) applied on {tag} in {t.elapsed:.1f} s")
 
 
 if __name__ == "__main__":

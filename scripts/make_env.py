@@ -125,7 +125,7 @@ def installed() -> dict | None:
     return json.loads(stamp.read_text()) if stamp.exists() else None
 
 
-def preflight(pin: dict, tgt: str) -> None:
+def preflight(pin: dict, tgt: str, verbose: bool = True) -> None:
     """Everything that can refuse, before any download: lock, then disk."""
     lock_file(pin, tgt)  # refuses an unknown release: it has no lock
     have = installed()
@@ -150,7 +150,9 @@ def preflight(pin: dict, tgt: str) -> None:
             f"({', '.join(parts)}, plus headroom); nothing was downloaded. Free some space "
             f"(or set VLLM_HMA_CACHE to a larger disk) and run again"
         )
-    say(f"disk: {gb(free)} free, about {gb(need)} needed for TARGET={tgt} ({', '.join(parts)})")
+    if verbose:
+        say(f"disk: {gb(free)} free, about {gb(need)} needed for TARGET={tgt} "
+            f"({', '.join(parts)})")
 
 
 def build(pin: dict, tgt: str) -> None:
@@ -160,7 +162,7 @@ def build(pin: dict, tgt: str) -> None:
     if have == want:
         say(f".venv: vLLM {pin['version']} ({tgt}) already installed")
         return
-    preflight(pin, tgt)  # before any download
+    preflight(pin, tgt, verbose=False)  # before any download (make apply ran it already)
     wheel = fetch(pin, tgt)
     py = VENV / "bin" / "python"
     if have and {k: v for k, v in have.items() if k != "lock_sha256"} == {
