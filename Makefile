@@ -7,7 +7,7 @@ GROUP ?=
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu clean
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu clean wheel
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -19,6 +19,9 @@ apply: ## fetch + verify vLLM, build build/vllm with patches/, build .venv (patc
 
 checkout: ## build/vllm: pristine tag + one commit per patch (idempotent; FORCE=1 discards local work)
 	@$(S)/apply.py
+
+wheel: ## build/wheels/: the pinned wheel of TARGET with the series, RECORD verified, to pip install
+	@$(S)/make_wheel.py
 
 env: ## .venv for TARGET (cpu default, cuda for GPU runners), importing the patched vLLM
 	@$(S)/make_env.py

