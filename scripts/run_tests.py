@@ -193,7 +193,7 @@ def main() -> None:
     prepare_hf_home()
     env = env_for(unpatched)
     results = {}
-    quiet = ["--tb=no", "-q"] if unpatched else []
+    quiet = ["--tb=no", "-q", "--disable-warnings"] if unpatched else []
     report = ["-rN"] if unpatched else None
     for g in groups:
         mine = [t for t in ids if group_of(t) == g] if ids else []
