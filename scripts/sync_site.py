@@ -8,6 +8,7 @@ written against the sdist, so a wheel that differs there would silently get the 
 """
 
 import json
+import os
 from pathlib import Path
 
 from _lib import VENV, UserError, checkout_dir, git, load_pin, run_main, say
@@ -35,6 +36,14 @@ def pristine_blob(repo: Path, tag: str, path: str) -> bytes | None:
     return r.stdout if r.returncode == 0 else None
 
 
+def _replace(dest: Path, data: bytes) -> None:
+    """Write a new file and rename it over dest: never write through dest, which may be
+    a hard link shared with another tree (build/unpatched-site links to .venv's files)."""
+    tmp = dest.with_name(dest.name + ".hma-tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)
+
+
 def sync(venv: Path = VENV) -> list[str]:
     pin = load_pin()
     repo = checkout_dir(pin["version"])
@@ -50,15 +59,15 @@ def sync(venv: Path = VENV) -> list[str]:
         if blob is None:
             dest.unlink(missing_ok=True)
         else:
-            dest.write_bytes(blob)
+            _replace(dest, blob)
         restored.append(path)
     for path in current:
         dest = sp / path
         src = repo / path
         if path not in previous:
             blob = pristine_blob(repo, tag, path)
-            installed = dest.read_bytes() if dest.exists() else None
-            if installed != blob:
+            current_bytes = dest.read_bytes() if dest.exists() else None
+            if current_bytes != blob:
                 raise UserError(
                     f"the installed {dest} differs from {path} in the pristine sdist "
                     f"({tag}); the patch was written against the sdist. Reinstall the "
@@ -69,7 +78,7 @@ def sync(venv: Path = VENV) -> list[str]:
             dest.unlink(missing_ok=True)
             continue
         if not dest.exists() or dest.read_bytes() != src.read_bytes():
-            dest.write_bytes(src.read_bytes())
+            _replace(dest, src.read_bytes())
             installed.append(path)
     if restored:
         say(f"restored {len(restored)} pristine file(s) the series no longer changes: "
