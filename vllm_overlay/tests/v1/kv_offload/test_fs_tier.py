@@ -255,3 +255,141 @@ def test_store_load_data_integrity(fs_tier):
         assert torch.allclose(tensor[bid], expected[i]), (
             f"Block {bid} data mismatch after store+load"
         )
+
+
+def _make_tier(root_dir: str, rows: np.ndarray) -> FileSystemTierManager:
+    return FileSystemTierManager(
+        offloading_spec=_MOCK_OFFLOADING_SPEC,
+        primary_kv_view=memoryview(rows),
+        tier_type="fs_python",
+        root_dir=root_dir,
+        n_read_threads=2,
+        n_write_threads=2,
+    )
+
+
+def _io_mode_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if " I/O for " in r.getMessage()]
+
+
+def test_unaligned_rows_fall_back_to_buffered_io(tmp_path, caplog):
+    """Rows that O_DIRECT cannot transfer (1280 bytes, as an unpadded mamba
+    or odd-head-size layout gives) round-trip with buffered I/O instead of
+    failing every job, and the tier says once which mode it uses and why."""
+    rows = np.zeros((4, 1280), dtype=np.uint8)
+    with caplog.at_level("INFO", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = _make_tier(str(tmp_path), rows)
+    try:
+        rng = np.random.default_rng(0)
+        rows[:2] = rng.integers(0, 256, (2, 1280), dtype=np.uint8)
+        expected = rows[:2].copy()
+        keys = [key(0), key(1)]
+        tier.submit_store(make_job(1, keys, [0, 1]))
+        assert [r.success for r in drain(tier)] == [True]
+        tier.submit_load(make_job(2, keys, [2, 3], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        np.testing.assert_array_equal(rows[2:], expected)
+    finally:
+        tier.shutdown()
+    (message,) = _io_mode_messages(caplog)
+    assert message.startswith(
+        f"fs_python tier at {tmp_path}: using buffered I/O for 1280-byte blocks "
+        "because the primary tier's rows (1280 bytes at address"
+    )
+
+
+def _o_direct_works(directory: str) -> bool:
+    """An independent check of O_DIRECT support for page-aligned I/O."""
+    import mmap
+
+    path = os.path.join(directory, "o_direct_check")
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            os.write(fd, buf)
+        finally:
+            os.close(fd)
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def test_aligned_rows_use_o_direct_where_supported(tmp_path, caplog):
+    """Page-aligned rows use O_DIRECT when the filesystem supports it, and
+    the mode is logged exactly once."""
+    import mmap
+
+    region = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+    rows = np.frombuffer(region, dtype=np.uint8).reshape(4, mmap.PAGESIZE)
+    with caplog.at_level("INFO", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = _make_tier(str(tmp_path / "fs"), rows)
+    try:
+        tier.submit_store(make_job(1, [key(0)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+    finally:
+        tier.shutdown()
+    (message,) = _io_mode_messages(caplog)
+    prefix = f"fs_python tier at {tmp_path / 'fs'}: using "
+    if _o_direct_works(str(tmp_path)):
+        assert message == prefix + f"O_DIRECT I/O for {mmap.PAGESIZE}-byte blocks"
+    else:
+        assert message.startswith(prefix + "buffered I/O")
+        assert "O_DIRECT I/O is not supported here" in message
+
+
+def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, caplog):
+    """A tier whose writes all fail (e.g. a full disk) says so at once, then at
+    most once per interval with the counts since its previous line, and
+    flushes what is left at shutdown: never one line per block, and never
+    silent after the first report."""
+    import errno
+
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+    from vllm.v1.kv_offload.tiering.fs import thread_pool
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(thread_pool, "FAILURE_REPORT_INTERVAL_S", 1.0)
+    monkeypatch.setattr(fs_manager, "store_block", disk_full)
+    rows = np.zeros((8, 4096), dtype=np.uint8)
+    tier = _make_tier(str(tmp_path), rows)
+
+    def store_jobs(first_job_id: int, n: int) -> None:
+        for job_id in range(first_job_id, first_job_id + n):
+            keys = [key(2 * job_id), key(2 * job_id + 1)]
+            tier.submit_store(make_job(job_id, keys, [0, 1]))
+        results = drain(tier)
+        assert len(results) == n and not any(r.success for r in results)
+
+    def reports() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if "block I/O failed" in r.getMessage()
+        ]
+
+    with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+        store_jobs(0, 1)
+        assert len(reports()) == 1
+        store_jobs(1, 3)  # within the interval: counted, not logged
+        assert len(reports()) == 1
+        time.sleep(1.0)
+        store_jobs(4, 1)  # the interval has passed: one line for 4 jobs
+        tier.submit_store(make_job(5, [key(10)], [0]))
+        drain(tier)
+        tier.shutdown()  # flushes the last job
+    error = "[Errno 28] No space left on device"
+    assert reports() == [
+        "FileSystemTierManagerPython: block I/O failed for 2 of 2 blocks in 1 "
+        f"job(s) since the previous report (last error: {error})",
+        "FileSystemTierManagerPython: block I/O failed for 8 of 8 blocks in 4 "
+        f"job(s) since the previous report (last error: {error})",
+        "FileSystemTierManagerPython: block I/O failed for 1 of 1 blocks in 1 "
+        f"job(s) since the previous report (last error: {error})",
+    ]

@@ -53,9 +53,6 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-# no GPU state to clean up between these tests
-pytestmark = pytest.mark.skip_global_cleanup
-
 _TIMEOUT_S = 20.0
 _DTYPE = torch.float16
 
@@ -342,9 +339,12 @@ def make_configs(
         sum(t.size for t in kv_cache_config.kv_cache_tensors)
         // kv_cache_config.num_blocks
     )
-    factor = int(kv_connector_extra_config.get("blocks_per_chunk", 1))
-    if "block_size" in kv_connector_extra_config:
-        factor = int(kv_connector_extra_config["block_size"]) // 16
+    try:
+        factor = int(kv_connector_extra_config.get("blocks_per_chunk", 1))
+        if "block_size" in kv_connector_extra_config:
+            factor = int(kv_connector_extra_config["block_size"]) // 16
+    except ValueError:
+        factor = 1  # an invalid option: the spec refuses it
     assert vllm_config.kv_transfer_config is not None
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     extra["cpu_bytes_to_use"] = cpu_row_bytes(row_bytes * factor) * cpu_blocks
@@ -423,6 +423,7 @@ def load(
     for key, block_id in zip(keys, spec.block_ids):
         np.testing.assert_array_equal(rows[block_id], block_bytes(key, rows.shape[1]))
     manager.complete_load(keys, ctx)
+    list(manager.take_events())  # the step ends: lookup()'s pins are released
     assert all(ref_cnt(manager, k) == 0 for k in keys)
 
 
@@ -560,9 +561,22 @@ def test_chunked_store_cold_load_mixed_block_sizes(model_config, tmp_path, layou
         # tokens per chunk are ambiguous when groups differ in block size
         ("gemma4", {"block_size": 64}, r"\(32, 32, 16\).*blocks_per_chunk"),
         ("llama", {"block_size": 24}, r"'block_size'=24.*multiple.*16"),
-        ("llama", {"blocks_per_chunk": 0}, "blocks_per_chunk"),
+        ("llama", {"block_size": "16x"}, "'block_size'.*positive integer"),
+        ("llama", {"blocks_per_chunk": 0}, "'blocks_per_chunk'.*positive integer"),
+        ("llama", {"blocks_per_chunk": "two"}, "'blocks_per_chunk'.*positive"),
+        ("llama", {"blocks_per_chunk": True}, "'blocks_per_chunk'.*positive"),
         ("llama", {"blocks_per_chunk": 2, "block_size": 32}, "only one"),
         ("mamba_no_align", {}, r"\(1024, 16\).*enable-prefix-caching"),
+    ],
+    ids=[
+        "block_size_for_mixed_sizes",
+        "block_size_not_multiple",
+        "block_size_not_int",
+        "blocks_per_chunk_zero",
+        "blocks_per_chunk_not_int",
+        "blocks_per_chunk_bool",
+        "both_options",
+        "mamba_without_align_mode",
     ],
 )
 def test_invalid_chunking_raises_value_error(
@@ -578,16 +592,61 @@ def test_invalid_chunking_raises_value_error(
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_file_mapper_describes_hma_layout(model_config, tmp_path, layout):
     """The fs tier's FileMapper records the hash block size vLLM hashes with
-    and every group's real KV cache spec."""
+    (not cache_config.block_size), and per group the kind, bytes per block,
+    dtype and shape of its blocks."""
     vllm_config, kv_cache_config = make_configs(
         model_config, layout, str(tmp_path), cpu_blocks=4
     )
     spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
     run_config = FileMapper.from_offloading_spec(str(tmp_path), spec).get_run_config()
     assert run_config["hash_block_size"] == spec.hash_block_size
-    assert [g["kv_cache_spec"] for g in run_config["kv_cache_groups"]] == [
-        repr(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups
+    groups = kv_cache_config.kv_cache_groups
+    layouts = [g["layout"] for g in run_config["kv_cache_groups"]]
+    assert [x["page_size_bytes"] for x in layouts] == [
+        g.kv_cache_spec.page_size_bytes for g in groups
     ]
+    assert [x["block_size"] for x in layouts] == list(GPU_BLOCK_SIZES[layout])
+    for x, group in zip(layouts, groups):
+        assert x["version"] == 1
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            assert x["kind"] == "mamba"
+            assert x["shapes"] == [[3, 64], [2, 16, 16]]
+            assert x["dtypes"] == ["float16", "float16"]
+        else:
+            assert x["kind"] in ("attention", "mla_attention")
+            assert x["dtype"] == "float16"
+            assert x["head_size"] == group.kv_cache_spec.head_size
+
+
+def test_layout_fields_ignore_what_does_not_change_the_bytes():
+    """Only what changes a block's bytes moves a cache to another directory:
+    not the spec's repr (e.g. a sliding window size, speculative blocks)."""
+    from vllm.v1.kv_offload.file_mapper import describe_block_layout
+
+    def mamba(conv_dim: int = 64, **kwargs) -> MambaSpec:
+        return MambaSpec(
+            block_size=96,
+            shapes=((3, conv_dim), (2, 16, 16)),
+            dtypes=(_DTYPE, _DTYPE),
+            page_size_padded=6144,
+            mamba_cache_mode="align",
+            **kwargs,
+        )
+
+    def sliding(window: int) -> SlidingWindowSpec:
+        return SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=32,
+            dtype=_DTYPE,
+            sliding_window=window,
+        )
+
+    assert describe_block_layout(mamba()) == describe_block_layout(
+        mamba(num_speculative_blocks=2)
+    )
+    assert describe_block_layout(mamba()) != describe_block_layout(mamba(32))
+    assert describe_block_layout(sliding(64)) == describe_block_layout(sliding(128))
 
 
 def test_files_of_another_layout_are_never_read(model_config, tmp_path):
@@ -623,75 +682,91 @@ def test_files_of_another_layout_are_never_read(model_config, tmp_path):
         other.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["odd_rows", "gemma3"])
-def test_fs_tier_io_mode_logged_once(model_config, tmp_path, caplog, layout):
-    """Any KV layout gets page-aligned primary rows, so the fs tier uses
-    O_DIRECT where the filesystem supports it, and says once at start which
-    I/O mode it uses and why."""
+@pytest.mark.parametrize("layout", ["odd_rows", "qwen3_5", "gemma3"])
+def test_rows_are_page_aligned_for_secondary_tiers(
+    model_config, tmp_path, caplog, layout
+):
+    """Any KV layout gets page-aligned CPU rows (1280-byte rows of odd head
+    sizes, mamba states), so the fs tier's O_DIRECT I/O works for them; the
+    capacity the padding costs is logged."""
     root_dir = str(tmp_path / "fs")
     vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 8)
-    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    with caplog.at_level(logging.INFO, logger="vllm.v1.kv_offload.cpu.spec"):
+        spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
     assert spec.cpu_page_size_per_worker % mmap.PAGESIZE == 0
-    with caplog.at_level(logging.INFO, logger="vllm.v1.kv_offload.tiering.fs"):
-        manager = spec.get_manager()
+    padded = [r.getMessage() for r in caplog.records if "pads each" in r.getMessage()]
+    if layout == "odd_rows":
+        assert padded == [
+            "CPU offloading pads each 1280-byte block to 4096 bytes (alignment "
+            f"{mmap.PAGESIZE}): 8 CPU blocks fit in cpu_bytes_to_use instead of 25."
+        ]
+    keys = request_keys(0, 2, len(GPU_BLOCK_SIZES[layout]))
+    ctx = ReqContext(req_id="req0")
+    manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager)
     try:
-        store(manager, request_keys(0, 4, 2), ReqContext(req_id="req0"))
+        store(manager, keys, ctx)
     finally:
         manager.shutdown()
-    messages = [r.getMessage() for r in caplog.records if "I/O for" in r.getMessage()]
-    assert len(messages) == 1, messages
-    assert "using O_DIRECT I/O" in messages[0] or "because" in messages[0]
+    files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+    assert sum(f.endswith(".bin") for f in files) == len(keys)
+    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(cold, TieringOffloadingManager)
+    try:
+        load(cold, keys, ctx)
+    finally:
+        cold.shutdown()
 
 
-def test_fs_tier_buffered_fallback_for_unaligned_rows(model_config, tmp_path, caplog):
-    """A primary tier whose rows are not aligned (1280-byte rows, as an
-    unpadded mamba or odd-head-size layout gives) still round-trips: the fs
-    tier falls back to buffered I/O instead of failing every job."""
-    from vllm.v1.kv_offload.tiering.base import JobMetadata
-    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+@pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_worker_views_match_rows_secondary_tiers_copy(
+    model_config, tmp_path, layout, blocks_per_chunk
+):
+    """The worker's per-tensor CPU views (as CpuGpuOffloadingHandlers lays
+    them out, block_size_factor GPU pages per tensor) fit in the padded row
+    and are exactly the bytes the scheduler-side view hands to secondary
+    tiers for that block."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     vllm_config, kv_cache_config = make_configs(
-        model_config, "odd_rows", str(tmp_path), 8
+        model_config,
+        layout,
+        str(tmp_path / "fs"),
+        4,
+        {"blocks_per_chunk": blocks_per_chunk},
     )
     spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
-    rows = np.zeros((8, 1280), dtype=np.uint8)
-    keys = request_keys(0, 4, 2)
-
-    def run(job: JobMetadata, tier: FileSystemTierManager) -> bool:
-        (tier.submit_load if job.is_promotion else tier.submit_store)(job)
-        deadline = time.monotonic() + _TIMEOUT_S
-        while time.monotonic() < deadline:
-            results = list(tier.get_finished())
-            if results:
-                return results[0].success
-            time.sleep(0.005)
-        raise AssertionError("timed out")
-
-    def job(job_id: int, is_promotion: bool) -> JobMetadata:
-        return JobMetadata(
-            job_id=job_id,
-            keys=keys,
-            block_ids=np.arange(len(keys), dtype=np.int64),
-            is_promotion=is_promotion,
-            req_context=ReqContext(req_id="req0"),
-        )
-
-    for i, key in enumerate(keys):
-        rows[i] = block_bytes(key, 1280)
-    with caplog.at_level(logging.INFO, logger="vllm.v1.kv_offload.tiering.fs"):
-        tier = FileSystemTierManager(
-            spec, memoryview(rows), "fs_python", str(tmp_path / "fs"), 1, 1
-        )
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    worker_region = SharedOffloadRegion(
+        instance_id=vllm_config.instance_id,
+        total_size_bytes=spec.cpu_page_size_per_worker * spec.num_blocks,
+        num_blocks=spec.num_blocks,
+        rank=0,
+        num_workers=1,
+        cpu_page_size=spec.cpu_page_size_per_worker,
+    )
+    views: list[torch.Tensor] = []
     try:
-        assert run(job(0, is_promotion=False), tier)
-        rows[:] = 0
-        assert run(job(1, is_promotion=True), tier)
+        page_sizes = [
+            t.size // kv_cache_config.num_blocks * blocks_per_chunk
+            for t in kv_cache_config.kv_cache_tensors
+        ]
+        views = [worker_region.create_next_view(p) for p in page_sizes]
+        rows = cpu_rows(manager)
+        block_id = spec.num_blocks - 1
+        for i, view in enumerate(views):
+            view[block_id] = torch.full((page_sizes[i],), i + 1, dtype=torch.int8)
+        expected = np.concatenate(
+            [np.full(p, i + 1, dtype=np.uint8) for i, p in enumerate(page_sizes)]
+        )
+        np.testing.assert_array_equal(rows[block_id][: len(expected)], expected)
+        assert rows.shape[1] % mmap.PAGESIZE == 0
     finally:
-        tier.shutdown()
-    for i, key in enumerate(keys):
-        np.testing.assert_array_equal(rows[i], block_bytes(key, 1280))
-    assert "using buffered I/O" in caplog.text
+        views.clear()
+        worker_region.cleanup()
+        manager.shutdown()
 
 
 def _fail_io_on(monkeypatch, func_name: str, bad_suffixes: list[str]):
@@ -769,183 +844,18 @@ def test_failed_writes_and_reads_stay_contained(
         cold.shutdown()
 
 
-def scheduler_lookup(
-    manager: TieringOffloadingManager,
-    keys_per_group: list[list[OffloadKey]],
-    ctx: ReqContext,
-) -> list[int] | None:
-    """Look a request up as the connector scheduler does: per group, the
-    prefix of hits; None if any lookup was deferred (retry next step)."""
-    hits: list[int] = []
-    deferred = False
-    for group_keys in keys_per_group:
-        num_hits = 0
-        for key in group_keys:
-            result = manager.lookup(key, ctx)
-            if result is None:
-                deferred = True
-            elif not result:
-                break
-            num_hits += 1
-        hits.append(num_hits)
-    return None if deferred else hits
+@pytest.fixture
+def sha256_block_hashes():
+    """Block hashes as the engine computes them by default (sha256); the
+    module global NONE_HASH is restored afterwards."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
 
-
-@pytest.mark.parametrize("layout", ["gemma3", "gemma4", "qwen3_5"])
-@pytest.mark.parametrize("num_requests", [1, 3])
-def test_promotion_never_evicts_blocks_reported_ready(
-    model_config, tmp_path, layout, num_requests
-):
-    """A CPU tier smaller than a request's blocks on disk: promoting one
-    group's block must not evict a block of another group of the same
-    request that lookup already reported ready. Otherwise the next lookup
-    misses it and promotes it again, evicting the other group's block: the
-    request is deferred forever, or a block reported ready is gone when the
-    scheduler loads it."""
-    root_dir = str(tmp_path / "fs")
-    num_groups = len(GPU_BLOCK_SIZES[layout])
-    blocks_per_group = 3
-    requests = [
-        request_keys(r, blocks_per_group, num_groups) for r in range(num_requests)
-    ]
-    all_keys = [k for keys in requests for k in keys]
-    # everything on disk
-    vllm_config, kv_cache_config = make_configs(
-        model_config, layout, root_dir, len(all_keys)
-    )
-    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    try:
-        for r, keys in enumerate(requests):
-            store(manager, keys, ReqContext(req_id=f"req{r}"))
-    finally:
-        manager.shutdown()
-
-    # a cold CPU tier that holds fewer blocks than one request has
-    cpu_blocks = blocks_per_group * num_groups - 1
-    vllm_config, kv_cache_config = make_configs(
-        model_config, layout, root_dir, cpu_blocks
-    )
-    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(cold, TieringOffloadingManager)
-    try:
-        for r, keys in enumerate(requests):
-            ctx = ReqContext(req_id=f"req{r}")
-            keys_per_group = [
-                keys[g * blocks_per_group : (g + 1) * blocks_per_group]
-                for g in range(num_groups)
-            ]
-            for _ in range(50):  # engine steps
-                hits = scheduler_lookup(cold, keys_per_group, ctx)
-                if hits is not None:
-                    break
-                list(cold.take_events())
-                time.sleep(0.01)
-            assert hits is not None, "request deferred forever"
-            # the scheduler loads every block it was told is ready
-            to_load = [k for g, n in enumerate(hits) for k in keys_per_group[g][:n]]
-            assert to_load, "no hit at all"
-            spec = cold.prepare_load(to_load, ctx)
-            assert isinstance(spec, CPULoadStoreSpec)
-            rows = cpu_rows(cold)
-            for key, block_id in zip(to_load, spec.block_ids):
-                np.testing.assert_array_equal(
-                    rows[block_id], block_bytes(key, rows.shape[1])
-                )
-            cold.complete_load(to_load, ctx)
-            assert all(ref_cnt(cold, k) == 0 for k in to_load)
-            list(cold.take_events())
-    finally:
-        cold.shutdown()
-
-
-@pytest.mark.parametrize("seed", [None, "0"])
-def test_persistent_tier_warns_once_without_pythonhashseed(
-    model_config, tmp_path, monkeypatch, caplog, seed
-):
-    """Without PYTHONHASHSEED block hashes are seeded randomly per process,
-    so a disk tier never hits after a restart: say so once, with the fix."""
-    if seed is None:
-        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    else:
-        monkeypatch.setenv("PYTHONHASHSEED", seed)
-    vllm_config, kv_cache_config = make_configs(model_config, "llama", str(tmp_path), 4)
-    with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload"):
-        manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-        store(manager, request_keys(0, 2, 1), ReqContext(req_id="req0"))
-        manager.shutdown()
-    warnings = [r for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
-    assert len(warnings) == (1 if seed is None else 0)
-    if seed is None:
-        assert "PYTHONHASHSEED=0" in warnings[0].getMessage()
-
-
-def test_tier_failing_every_write_is_reported_once(
-    model_config, tmp_path, monkeypatch, caplog
-):
-    """A secondary tier whose every write fails says so loudly, once, and
-    not with a log line per block; nothing is served from it."""
-    root_dir = str(tmp_path / "fs")
-    vllm_config, kv_cache_config = make_configs(model_config, "llama", root_dir, 32)
-    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    try:
-        with (
-            caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload"),
-            monkeypatch.context() as m,
-        ):
-            _fail_io_on(m, "write", [""])  # every block file
-            caplog.clear()
-            for r in range(3):
-                store(manager, request_keys(r, 4, 1), ReqContext(req_id=f"req{r}"))
-    finally:
-        manager.shutdown()
-    records = [
-        r
-        for r in caplog.records
-        if r.name.startswith("vllm.v1.kv_offload") and r.levelno >= logging.WARNING
-    ]
-    errors = [r for r in records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1, [r.getMessage() for r in errors]
-    assert "failed every block write" in errors[0].getMessage()
-    assert len(records) <= 2, [r.getMessage() for r in records]
-    files = [f for _, _, fs in os.walk(root_dir) for f in fs]
-    assert not [f for f in files if f.endswith((".bin", ".tmp"))]
-
-
-@pytest.mark.parametrize("layout", ["llama", "gemma4"])
-def test_reset_cache_forgets_in_flight_blocks(model_config, tmp_path, layout):
-    """reset_cache() (e.g. from reset_prefix_cache) makes the scheduler
-    discard every in-flight GPU<->CPU job: blocks being stored must not stay
-    in flight forever (lookup() None: the request is deferred forever), nor
-    blocks being loaded stay pinned."""
-    num_groups = len(GPU_BLOCK_SIZES[layout])
-    root_dir = str(tmp_path / "fs")
-    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 16)
-    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    stored = request_keys(0, 2, num_groups)
-    in_flight = request_keys(1, 1, num_groups)
-    ctx = ReqContext(req_id="req0")
-    try:
-        store(manager, stored, ctx)
-        # a store and a load the scheduler will never complete
-        assert manager.prepare_store(in_flight, ctx) is not None
-        assert manager.lookup(in_flight[0], ctx) is None
-        manager.prepare_load(stored[:1], ctx)
-        assert ref_cnt(manager, stored[0]) == 1
-
-        manager.reset_cache()
-        list(manager.take_events())
-
-        for key in in_flight:
-            assert manager.lookup(key, ctx) is False
-        # the fs tier kept the stored blocks: they are promoted again
-        load(manager, stored, ctx)
-        # and the whole CPU tier can be used again
-        store(manager, request_keys(2, 16 // num_groups, num_groups), ctx)
-    finally:
-        manager.shutdown()
+    saved = getattr(kv_cache_utils, "NONE_HASH", None)
+    kv_cache_utils.init_none_hash(sha256)
+    yield
+    if saved is not None:
+        kv_cache_utils.NONE_HASH = saved
 
 
 def _sched_config_keys(sched, request) -> list[list[OffloadKey]]:
@@ -960,37 +870,122 @@ def _sched_config_keys(sched, request) -> list[list[OffloadKey]]:
     return [list(g.offload_keys) for g in state.group_states]
 
 
+def _make_request(spec: TieringOffloadingSpec, req_id: str, num_tokens: int, seed=0):
+    """A real Request whose block hashes the scheduler reads (sha256, the
+    default prefix caching hash)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=[(7 * i + 13 * seed) % 500 for i in range(num_tokens)],
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(spec.hash_block_size, sha256),
+    )
+
+
+def _load_hit(sched, request, num_hit_tokens: int, blocks_per_chunk: int) -> int:
+    """Do what the engine does with a connector hit: allocate GPU blocks
+    (null blocks before the window of sliding-window and mamba groups, as
+    vLLM's KV cache managers do), update_state_after_alloc(),
+    build_connector_meta(), check the bytes the load job reads for every
+    group, and report the load done. Returns the number of keys loaded."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    manager = sched.manager
+    blocks, expected_keys = [], []
+    for group_idx, (group, keys) in enumerate(
+        zip(sched.config.kv_group_configs, _sched_config_keys(sched, request))
+    ):
+        # in offloaded blocks (chunks of blocks_per_chunk GPU blocks)
+        num_chunks = num_hit_tokens // group.offloaded_block_size
+        needed = group.sliding_window_size_in_blocks or num_chunks
+        num_null_chunks = max(num_chunks - needed, 0)
+        num_null = num_null_chunks * blocks_per_chunk
+        num_blocks = num_chunks * blocks_per_chunk
+        blocks.append(
+            [KVCacheBlock(0, is_null=True) for _ in range(num_null)]
+            + [
+                KVCacheBlock(1000 * (group_idx + 1) + i)
+                for i in range(num_null, num_blocks)
+            ]
+        )
+        expected_keys.append(keys[num_null_chunks:num_chunks])
+    sched.update_state_after_alloc(
+        request, KVCacheBlocks(tuple(blocks)), num_hit_tokens
+    )
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    ((job_id, job),) = meta.load_jobs.items()
+    src_spec, dst_spec = job.transfer_spec
+    assert isinstance(src_spec, CPULoadStoreSpec)
+    # hits per group: the blocks each group loads
+    assert list(dst_spec.group_sizes) == [
+        len(k) * blocks_per_chunk for k in expected_keys
+    ]
+    rows = cpu_rows(manager)
+    flat_keys = [k for keys in expected_keys for k in keys]
+    assert len(src_spec.block_ids) == len(flat_keys)
+    for key, block_id in zip(flat_keys, src_spec.block_ids):
+        np.testing.assert_array_equal(rows[block_id], block_bytes(key, rows.shape[1]))
+    assert all(ref_cnt(manager, k) >= 1 for k in flat_keys)
+
+    # the worker reports the load done
+    worker_meta = OffloadingWorkerMetadata()
+    worker_meta.mark_completed(job_id)
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+    )
+    return len(flat_keys)
+
+
+def _store_requests(spec: TieringOffloadingSpec, requests) -> int:
+    """A previous engine stored every block of the requests, for every
+    group, and cascaded them to disk. Returns the number of keys."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    sched = OffloadingConnectorScheduler(spec)
+    keys = [
+        k
+        for request in requests
+        for group_keys in _sched_config_keys(sched, request)
+        for k in group_keys
+    ]
+    try:
+        store(sched.manager, keys, ReqContext("x"))
+    finally:
+        sched.shutdown()
+    return len(keys)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_connector_scheduler_cold_restart_hits_every_group(
-    model_config, tmp_path, layout
+    model_config, tmp_path, sha256_block_hashes, layout, blocks_per_chunk
 ):
     """The real offloading connector scheduler over the real tiers: a
     request's blocks of every group, keyed by its real block hashes, are on
     disk; after a cold start the scheduler's lookup promotes them, reports
     the expected hit, and its load job reads the right bytes for every
     group; ref counts return to zero once the load completes."""
-    from vllm import SamplingParams
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingWorkerMetadata,
-    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
         SchedulerOffloadConfig,
     )
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import (
-        KVCacheBlock,
-        get_request_block_hasher,
-        init_none_hash,
-    )
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
-
     root_dir = str(tmp_path / "fs")
-    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 64)
-    init_none_hash(sha256)
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, root_dir, 64, {"blocks_per_chunk": blocks_per_chunk}
+    )
     spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
     block_sizes = [
         g.offloaded_block_size
@@ -998,28 +993,14 @@ def test_connector_scheduler_cold_restart_hits_every_group(
     ]
     lcm = math.lcm(*block_sizes)
     num_tokens = 4 * lcm + 5
-    request = Request(
-        request_id="req0",
-        prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(spec.hash_block_size, sha256),
-    )
-
-    # A previous engine stored every block of the request, for every group.
-    sched = OffloadingConnectorScheduler(spec)
-    keys_per_group = _sched_config_keys(sched, request)
-    assert [len(k) for k in keys_per_group] == [num_tokens // b for b in block_sizes]
-    try:
-        store(
-            sched.manager, [k for keys in keys_per_group for k in keys], ReqContext("x")
-        )
-    finally:
-        sched.shutdown()
+    request = _make_request(spec, "req0", num_tokens)
+    num_keys = _store_requests(spec, [request])
+    assert num_keys == sum(num_tokens // b for b in block_sizes)
 
     # Cold start: the real scheduler looks the request up until promoted.
-    cold_spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
-    sched = OffloadingConnectorScheduler(cold_spec)
+    sched = OffloadingConnectorScheduler(
+        TieringOffloadingSpec(vllm_config, kv_cache_config)
+    )
     manager = sched.manager
     assert isinstance(manager, TieringOffloadingManager)
     try:
@@ -1030,184 +1011,135 @@ def test_connector_scheduler_cold_restart_hits_every_group(
             list(sched.take_events())  # end of engine step
             time.sleep(0.005)
         # every group hits up to the last full chunk of the largest block
-        # (minus the last token with sliding window groups)
         assert num_hit_tokens == 4 * lcm and is_async
-
-        # the GPU blocks the scheduler allocates for the hit: groups that
-        # only need their last blocks (sliding window, mamba) get null
-        # blocks before them, as vLLM's KV cache managers do
-        blocks, expected_keys = [], []
-        for group_idx, (group, keys) in enumerate(
-            zip(sched.config.kv_group_configs, keys_per_group)
-        ):
-            num_blocks = num_hit_tokens // group.gpu_block_size
-            needed = group.sliding_window_size_in_blocks or num_blocks
-            num_null = max(num_blocks - needed, 0)
-            blocks.append(
-                [KVCacheBlock(0, is_null=True) for _ in range(num_null)]
-                + [
-                    KVCacheBlock(1000 * (group_idx + 1) + i)
-                    for i in range(num_null, num_blocks)
-                ]
-            )
-            expected_keys.append(keys[num_null:num_blocks])
-        sched.update_state_after_alloc(
-            request, KVCacheBlocks(tuple(blocks)), num_hit_tokens
-        )
-        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
-        ((job_id, job),) = meta.load_jobs.items()
-        src_spec, dst_spec = job.transfer_spec
-        assert isinstance(src_spec, CPULoadStoreSpec)
-        # hits per group: the blocks each group loads
-        assert list(dst_spec.group_sizes) == [len(k) for k in expected_keys]
-        rows = cpu_rows(manager)
-        flat_keys = [k for keys in expected_keys for k in keys]
-        assert len(src_spec.block_ids) == len(flat_keys)
-        for key, block_id in zip(flat_keys, src_spec.block_ids):
-            np.testing.assert_array_equal(
-                rows[block_id], block_bytes(key, rows.shape[1])
-            )
-        assert all(ref_cnt(manager, k) == 1 for k in flat_keys)
-
-        # the worker reports the load done
-        worker_meta = OffloadingWorkerMetadata()
-        worker_meta.mark_completed(job_id)
-        sched.update_connector_output(
-            KVConnectorOutput(kv_connector_worker_meta=worker_meta)
-        )
-        assert all(ref_cnt(manager, k) == 0 for k in flat_keys)
+        assert _load_hit(sched, request, num_hit_tokens, blocks_per_chunk) > 0
+        list(sched.take_events())
+        assert all(b.ref_cnt == 0 for b in manager.primary_tier._policy.blocks.values())
     finally:
         sched.shutdown()
     files = [f for _, _, fs in os.walk(root_dir) for f in fs]
     assert not [f for f in files if f.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_several_requests_under_eviction_pressure(model_config, tmp_path, layout):
-    """Several requests stored through a CPU tier smaller than their blocks
-    (evictions while cascading), then looked up together, step by step, by a
-    cold manager whose CPU tier is also smaller than the working set: every
-    request settles, every block reported ready loads the right bytes, ref
-    counts return to zero and no temporary file is left."""
-    num_groups = len(GPU_BLOCK_SIZES[layout])
-    blocks_per_group = 3
-    requests = [request_keys(r, blocks_per_group, num_groups) for r in range(4)]
-    per_request = blocks_per_group * num_groups
-    root_dir = str(tmp_path / "fs")
-    vllm_config, kv_cache_config = make_configs(
-        model_config, layout, root_dir, per_request + 2
+@pytest.mark.parametrize("layout", ["gemma3", "gemma4", "qwen3_5", "deepseek_v4"])
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_promotion_never_evicts_blocks_reported_ready(
+    model_config, tmp_path, sha256_block_hashes, layout, num_requests
+):
+    """Requests whose blocks are on disk, looked up together by the real
+    connector scheduler through a cold CPU tier smaller than one request's
+    blocks: promoting one group's block must not evict a block that lookup
+    already reported ready in the same step (typically the request's block of
+    another group). Otherwise the next lookup misses it, promotes it again
+    and evicts the other one: the request is deferred forever. Every request
+    settles within a few steps, and what it was told is ready loads with the
+    right bytes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        SchedulerOffloadConfig,
     )
-    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    try:
-        for r, keys in enumerate(requests):
-            store(manager, keys, ReqContext(req_id=f"req{r}"))
-    finally:
-        manager.shutdown()
-    files = [os.path.join(d, f) for d, _, fs in os.walk(root_dir) for f in fs]
-    assert sum(f.endswith(".bin") for f in files) == len(requests) * per_request
-    assert not [f for f in files if f.endswith(".tmp")]
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 64)
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    block_sizes = [
+        g.offloaded_block_size
+        for g in SchedulerOffloadConfig.from_spec(spec).kv_group_configs
+    ]
+    num_tokens = 3 * math.lcm(*block_sizes) + 1
+    requests = [
+        _make_request(spec, f"req{r}", num_tokens, seed=r) for r in range(num_requests)
+    ]
+    per_request = _store_requests(spec, requests) // num_requests
 
-    cold = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
-    assert isinstance(cold, TieringOffloadingManager)
+    # a cold CPU tier that holds fewer blocks than one request has
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, root_dir, per_request - 1
+    )
+    sched = OffloadingConnectorScheduler(
+        TieringOffloadingSpec(vllm_config, kv_cache_config)
+    )
     try:
-        pending = {
-            r: [
-                keys[g * blocks_per_group : (g + 1) * blocks_per_group]
-                for g in range(num_groups)
-            ]
-            for r, keys in enumerate(requests)
-        }
-        total_hits = 0
-        for _ in range(100):  # engine steps
-            for r, keys_per_group in list(pending.items()):
-                ctx = ReqContext(req_id=f"req{r}")
-                hits = scheduler_lookup(cold, keys_per_group, ctx)
-                if hits is None:
-                    continue
-                del pending[r]
-                to_load = [k for g, n in enumerate(hits) for k in keys_per_group[g][:n]]
-                total_hits += len(to_load)
-                if not to_load:
-                    continue
-                spec = cold.prepare_load(to_load, ctx)
-                assert isinstance(spec, CPULoadStoreSpec)
-                rows = cpu_rows(cold)
-                for key, block_id in zip(to_load, spec.block_ids):
-                    np.testing.assert_array_equal(
-                        rows[block_id], block_bytes(key, rows.shape[1])
-                    )
-                cold.complete_load(to_load, ctx)
+        pending = list(requests)
+        for _ in range(20):  # engine steps
+            for request in list(pending):
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+                if num_hit_tokens is None:
+                    continue  # deferred: a promotion is in flight
+                pending.remove(request)
+                if num_hit_tokens:
+                    _load_hit(sched, request, num_hit_tokens, 1)
+            list(sched.take_events())  # end of engine step
             if not pending:
                 break
-            list(cold.take_events())
-            time.sleep(0.005)
+            time.sleep(0.01)
         assert not pending, "requests deferred forever"
-        assert total_hits >= per_request
-        wait_for(lambda: not cold._transfer_jobs, cold)
-        assert all(ref_cnt(cold, k) in (None, 0) for keys in requests for k in keys)
+        list(sched.take_events())
+        blocks = sched.manager.primary_tier._policy.blocks.values()
+        assert all(b.ref_cnt in (-1, 0) for b in blocks)
     finally:
-        cold.shutdown()
+        sched.shutdown()
 
 
-def test_unsupported_store_threshold_leaks_nothing(model_config, tmp_path):
-    """An unsupported option is refused before the CPU region in /dev/shm and
-    the secondary tiers' threads are created, not after (leaking them)."""
-    vllm_config, kv_cache_config = make_configs(
-        model_config, "llama", str(tmp_path), 4, {"store_threshold": 2}
-    )
-    shm_path = f"/dev/shm/vllm_offload_{vllm_config.instance_id}.mmap"
-    with pytest.raises(ValueError, match="store_threshold"):
+@pytest.mark.parametrize(
+    "hash_algo,seed,warns",
+    [("sha256", None, False), ("xxhash", None, True), ("xxhash", "0", False)],
+    ids=["sha256", "xxhash_unseeded", "xxhash_seeded"],
+)
+def test_persistent_tier_warns_when_block_hashes_are_not_reproducible(
+    model_config, tmp_path, monkeypatch, caplog, hash_algo, seed, warns
+):
+    """sha256 block hashes are reproducible across restarts without any
+    setting; with xxhash and no PYTHONHASHSEED they are random per process,
+    so a disk tier never hits after a restart: say so once, with the fix."""
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    vllm_config, kv_cache_config = make_configs(model_config, "llama", str(tmp_path), 4)
+    vllm_config.cache_config.prefix_caching_hash_algo = hash_algo
+    with caplog.at_level(logging.WARNING, logger="vllm.v1.kv_offload"):
+        manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+        manager.shutdown()
+    warnings = [
+        r.getMessage() for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()
+    ]
+    assert len(warnings) == (1 if warns else 0)
+    if warns:
+        assert "prefix_caching_hash_algo=xxhash" in warnings[0]
+        assert "or use sha256" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "extra_config,match",
+    [
+        ({"store_threshold": 2}, "store_threshold"),
+        (
+            {
+                "secondary_tiers": [
+                    {"type": "fs_python", "root_dir": "ROOT"},
+                    {"type": "no_such_tier"},
+                ]
+            },
+            "no_such_tier",
+        ),
+    ],
+    ids=["unsupported_store_threshold", "unknown_tier_type"],
+)
+def test_failed_get_manager_leaks_nothing(model_config, tmp_path, extra_config, match):
+    """A configuration error is raised without leaving the CPU region in
+    /dev/shm or the already created tiers' threads behind."""
+    import threading
+
+    for tier in extra_config.get("secondary_tiers", []):
+        if tier.get("root_dir") == "ROOT":
+            tier["root_dir"] = str(tmp_path / "fs")
+    threads_before = set(threading.enumerate())
+    with pytest.raises((ValueError, KeyError), match=match):
+        vllm_config, kv_cache_config = make_configs(
+            model_config, "llama", str(tmp_path), 4, extra_config
+        )
+        shm_path = f"/dev/shm/vllm_offload_{vllm_config.instance_id}.mmap"
         TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
     assert not os.path.exists(shm_path)
-
-
-@pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
-@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_worker_views_match_rows_secondary_tiers_copy(
-    model_config, tmp_path, layout, blocks_per_chunk
-):
-    """The worker's per-tensor CPU views (as CpuGpuOffloadingHandlers lays
-    them out, block_size_factor GPU pages per tensor) fit in the padded row
-    and are exactly the bytes the scheduler-side view hands to secondary
-    tiers for that block."""
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    vllm_config, kv_cache_config = make_configs(
-        model_config,
-        layout,
-        str(tmp_path / "fs"),
-        4,
-        {"blocks_per_chunk": blocks_per_chunk},
-    )
-    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
-    manager = spec.get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    worker_region = SharedOffloadRegion(
-        instance_id=vllm_config.instance_id,
-        total_size_bytes=spec.cpu_page_size_per_worker * spec.num_blocks,
-        num_blocks=spec.num_blocks,
-        rank=0,
-        num_workers=1,
-        cpu_page_size=spec.cpu_page_size_per_worker,
-    )
-    views: list[torch.Tensor] = []
-    try:
-        page_sizes = [
-            t.size // kv_cache_config.num_blocks * blocks_per_chunk
-            for t in kv_cache_config.kv_cache_tensors
-        ]
-        views = [worker_region.create_next_view(p) for p in page_sizes]
-        rows = cpu_rows(manager)
-        block_id = spec.num_blocks - 1
-        for i, view in enumerate(views):
-            view[block_id] = torch.full((page_sizes[i],), i + 1, dtype=torch.int8)
-        expected = np.concatenate(
-            [np.full(p, i + 1, dtype=np.uint8) for i, p in enumerate(page_sizes)]
-        )
-        np.testing.assert_array_equal(rows[block_id][: len(expected)], expected)
-        assert rows.shape[1] % mmap.PAGESIZE == 0
-    finally:
-        views.clear()
-        worker_region.cleanup()
-        manager.shutdown()
+    time.sleep(0.1)
+    assert set(threading.enumerate()) <= threads_before

@@ -328,6 +328,19 @@ class CanonicalKVCaches:
     group_data_refs: list[list[CanonicalKVCacheRef]]
 
 
+def _positive_int_option(name: str, value: object) -> int:
+    """A positive integer option of kv_connector_extra_config (an int, or a
+    string of digits as JSON configs may give), or a ValueError naming it."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"'{name}' in kv_connector_extra_config must be a positive "
+            f"integer, got {value!r}."
+        )
+    return value
+
+
 class OffloadingSpec(ABC):
     """Spec for an offloading connector"""
 
@@ -364,12 +377,12 @@ class OffloadingSpec(ABC):
         for block_size in self.gpu_block_size:
             if block_size % self.hash_block_size != 0:
                 raise ValueError(
-                    f"KV offloading needs every KV cache group's block size to "
+                    "KV offloading needs every KV cache group's block size to "
                     f"be a multiple of hash_block_size={self.hash_block_size}, "
                     f"got per-group block sizes {self.gpu_block_size}. "
-                    f"Hybrid models (e.g. Mamba+Attention) need "
-                    f"--enable-prefix-caching (mamba_cache_mode='align') to "
-                    f"align block sizes."
+                    "Hybrid models (e.g. Mamba+Attention) need "
+                    "--enable-prefix-caching (mamba_cache_mode='align') to "
+                    "align block sizes."
                 )
 
         # Number of GPU blocks per offloaded block (chunk), the same for all
@@ -391,9 +404,10 @@ class OffloadingSpec(ABC):
     def _get_blocks_per_chunk(self) -> int:
         """Parse the chunking options of kv_connector_extra_config.
 
-        - blocks_per_chunk: GPU blocks per offloaded block, for all groups.
+        - blocks_per_chunk: GPU blocks per offloaded block, the same for all
+          KV cache groups (any per-group block sizes).
         - block_size: tokens per offloaded block; only when all KV cache
-          groups have the same block size (kept for compatibility).
+          groups have the same block size.
         """
         blocks_per_chunk = self.extra_config.get("blocks_per_chunk")
         offloaded_block_size = self.extra_config.get("block_size")
@@ -405,39 +419,29 @@ class OffloadingSpec(ABC):
                 f"block_size={offloaded_block_size!r}."
             )
         if blocks_per_chunk is not None:
-            if not str(blocks_per_chunk).isdigit() or int(blocks_per_chunk) < 1:
-                raise ValueError(
-                    "'blocks_per_chunk' in kv_connector_extra_config must be a "
-                    f"positive integer, got {blocks_per_chunk!r}."
-                )
-            return int(blocks_per_chunk)
+            return _positive_int_option("blocks_per_chunk", blocks_per_chunk)
         if offloaded_block_size is None:
             return 1
 
-        offloaded_block_size_int = int(offloaded_block_size)
+        tokens = _positive_int_option("block_size", offloaded_block_size)
         gpu_block_sizes = set(self.gpu_block_size)
         if len(gpu_block_sizes) != 1:
             raise ValueError(
-                f"'block_size'={offloaded_block_size_int} in "
-                "kv_connector_extra_config needs all KV cache groups to have "
-                f"the same block size, got per-group block sizes "
-                f"{self.gpu_block_size}. Use 'blocks_per_chunk' instead (GPU "
-                f"blocks per offloaded block, for every group), e.g. "
-                f"blocks_per_chunk=2 offloads chunks of "
+                f"'block_size'={tokens} in kv_connector_extra_config needs all "
+                "KV cache groups to have the same block size, got per-group "
+                f"block sizes {self.gpu_block_size}. Use 'blocks_per_chunk' "
+                "instead (GPU blocks per offloaded block, for every group), "
+                "e.g. blocks_per_chunk=2 offloads chunks of "
                 f"{tuple(2 * b for b in self.gpu_block_size)} tokens."
             )
         gpu_block_size = gpu_block_sizes.pop()
-        if (
-            offloaded_block_size_int <= 0
-            or offloaded_block_size_int % gpu_block_size != 0
-        ):
+        if tokens % gpu_block_size != 0:
             raise ValueError(
-                f"'block_size'={offloaded_block_size_int} in "
-                "kv_connector_extra_config must be a positive multiple of the "
-                f"GPU block size {gpu_block_size} (per-group block sizes "
-                f"{self.gpu_block_size}), e.g. block_size={gpu_block_size * 2}."
+                f"'block_size'={tokens} in kv_connector_extra_config must be a "
+                f"multiple of the GPU block size {gpu_block_size}, e.g. "
+                f"block_size={gpu_block_size * 2}."
             )
-        return offloaded_block_size_int // gpu_block_size
+        return tokens // gpu_block_size
 
     @abstractmethod
     def get_manager(self) -> OffloadingManager:

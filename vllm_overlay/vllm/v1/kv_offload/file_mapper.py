@@ -4,6 +4,12 @@
 import hashlib
 import json
 
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.kv_offload.base import (
     OffloadingSpec,
     OffloadKey,
@@ -13,6 +19,45 @@ from vllm.v1.kv_offload.base import (
 
 _BASE_PATH_HASH_LEN = 12
 _CONFIG_FILENAME = "config.json"
+
+# Version of describe_block_layout()'s fields. Bump it when a field is added
+# or changes meaning: the fields are hashed into the directory name, so that
+# files written under one block layout are never read under another.
+BLOCK_LAYOUT_VERSION = 1
+
+
+def describe_block_layout(spec: KVCacheSpec) -> dict:
+    """The fields that determine how a KV cache group's block is laid out in
+    bytes: its kind, bytes per block (padding included), dtype(s) and shape.
+
+    Explicit fields rather than the spec's repr(), so that a field a later
+    release adds to the spec dataclasses (or one that does not change the
+    bytes, e.g. num_speculative_blocks) does not move existing caches.
+    """
+    layout: dict = {
+        "version": BLOCK_LAYOUT_VERSION,
+        "kind": _block_kind(spec),
+        "block_size": spec.block_size,
+        "page_size_bytes": spec.page_size_bytes,
+    }
+    if isinstance(spec, MambaSpec):
+        layout["dtypes"] = [str(d).removeprefix("torch.") for d in spec.dtypes]
+        layout["shapes"] = [list(shape) for shape in spec.shapes]
+    elif isinstance(spec, AttentionSpec):
+        layout["dtype"] = str(spec.dtype).removeprefix("torch.")
+        layout["num_kv_heads"] = spec.num_kv_heads
+        layout["head_size"] = spec.head_size
+    return layout
+
+
+def _block_kind(spec: KVCacheSpec) -> str:
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla_attention"
+    if isinstance(spec, AttentionSpec):
+        return "attention"  # full, sliding window, chunked local: same bytes
+    return type(spec).__name__
 
 
 class FileMapper:
@@ -74,14 +119,11 @@ class FileMapper:
 
         parallel_config = vllm_config.parallel_config
         dtype = str(vllm_config.cache_config.cache_dtype).replace("torch.", "")
-        # Describe each group's real layout (spec type, head sizes, dtypes,
-        # mamba state shapes, padding), so that files written under one
-        # layout are never read under another.
         kv_cache_groups = [
             {
                 "block_size": group.kv_cache_spec.block_size,
                 "layer_names": list(group.layer_names),
-                "kv_cache_spec": repr(group.kv_cache_spec),
+                "layout": describe_block_layout(group.kv_cache_spec),
             }
             for group in kv_cache_config.kv_cache_groups
         ]

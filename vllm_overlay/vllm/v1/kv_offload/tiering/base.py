@@ -37,9 +37,9 @@ class JobResult:
 
     job_id: JobId
     success: bool
-    # When success is False: the keys whose transfer failed, the others of
-    # the job succeeded. None means that every key of the job failed.
-    failed_keys: Collection[OffloadKey] | None = None
+    # When success is False: the keys of the job that were transferred
+    # anyway; the others failed. Empty means that every key failed.
+    successful_keys: Collection[OffloadKey] = ()
 
 
 class SecondaryTierManager(ABC):

@@ -18,16 +18,19 @@ Key Design Principles:
    "data is being promoted, try later"
 5. ref_cnt as eviction protection — primary.prepare_read() increments ref_cnt,
    protecting blocks from eviction until complete_read() is called
-6. A promotion never evicts what lookup() reported ready — blocks that
-   lookup() reported ready to a request during an engine step are not
-   evicted by that request's promotions in the same step (e.g. another KV
-   cache group's block of the same request); the block is a miss instead
-7. Failures stay contained — a promotion makes ready exactly the keys whose
+6. A ready block stays until the step ends — lookup() pins every block it
+   reports ready (ref_cnt) until take_events(), so no promotion in the same
+   engine step evicts it (e.g. a request's block of another KV cache group);
+   a promotion that finds no evictable block is a miss, not a retry
+7. reset_cache() never waits — secondary-tier transfers in flight at a
+   reset keep their primary slots out of reuse until they finish, and their
+   results are then discarded; a stuck tier cannot hang the engine
+8. Failures stay contained — a promotion makes ready exactly the keys whose
    data arrived, frees the slots of the others, and never fails the keys
    that succeeded in the same job; every finished job releases its ref_cnt
 """
 
-import time
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -44,11 +47,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import (
     JobId,
     JobMetadata,
-    JobResult,
     SecondaryTierManager,
 )
 
@@ -92,31 +95,37 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         # These aliases avoid calling prepare_load inside a store path.
         self.prepare_read = self.prepare_load
         self.complete_read = self.complete_load
+        self.prepare_write = self.prepare_store
         self.complete_write = self.complete_store
 
         self._kv_memoryview = mmap_region.create_kv_memoryview()
 
-    def prepare_write(
-        self,
-        keys: Collection[OffloadKey],
-        req_context: ReqContext,
-        protected: Collection[OffloadKey] = (),
-    ) -> PrepareStoreOutput | None:
-        """prepare_store() that never evicts the ready blocks of *protected*.
+    def reset_cache(self, in_use_slots: Collection[int] = ()) -> None:
+        """Forget every block. Slots in in_use_slots (still read or written
+        by a secondary-tier transfer) are not handed out again until
+        release_slots() returns them."""
+        super().reset_cache()
+        if in_use_slots:
+            in_use = set(in_use_slots)
+            # every slot counts as allocated; the free ones go to the free
+            # list, lowest first (it is popped from the end)
+            self._num_allocated_blocks = self._num_blocks
+            self._free_list = [
+                b for b in range(self._num_blocks - 1, -1, -1) if b not in in_use
+            ]
 
-        Returns None if the blocks cannot be allocated without evicting them.
-        """
-        pinned = []
-        for key in protected:
-            block = self._policy.get(key)
-            if block is not None and block.is_ready:
-                block.ref_cnt += 1
-                pinned.append(block)
-        try:
-            return self.prepare_store(keys, req_context)
-        finally:
-            for block in pinned:
-                block.ref_cnt -= 1
+    def release_slots(self, block_ids: Iterable[int]) -> None:
+        """Hand back slots kept out of reuse by reset_cache()."""
+        self._free_list.extend(block_ids)
+
+    def pin(self, key: OffloadKey) -> BlockStatus:
+        """Protect a ready block from eviction (ref_cnt + 1; the caller
+        decrements it) and mark it most recently used."""
+        block = self._policy.get(key)
+        assert block is not None and block.is_ready, f"Block {key!r} not ready"
+        block.ref_cnt += 1
+        self._policy.touch((key,))
+        return block
 
     def get_kv_memoryview(self) -> memoryview:
         """Return the memoryview over the primary tier's KV cache buffer.
@@ -184,17 +193,19 @@ class TieringOffloadingManager(OffloadingManager):
             SecondaryTierManager, dict[str, PendingPromotion]
         ] = {}
 
-        # Per secondary tier: blocks written so far, and whether the tier
-        # was reported as failing every write (reported once).
-        self._blocks_written: list[int] = [0] * len(self.secondary_tiers)
-        self._reported_all_writes_failed: list[bool] = [False] * len(
-            self.secondary_tiers
-        )
+        # Transfers that were in flight when reset_cache() ran: their results
+        # are discarded, and the primary slots they read or write are handed
+        # back (once no such transfer uses them) when they finish.
+        self._orphaned_jobs: dict[JobId, JobMetadata] = {}
+        self._orphaned_slots: Counter[int] = Counter()
 
-        # Keys that lookup() reported ready in the primary tier during this
-        # engine step, per request. A promotion for the same request never
-        # evicts them (see _initiate_promotion()). Reset in take_events().
-        self._ready_keys_this_step: dict[str, set[OffloadKey]] = {}
+        # Blocks lookup() reported ready during this engine step, pinned
+        # (ref_cnt + 1) until take_events(): O(1) per hit, O(hits) per step.
+        self._pinned_this_step: list[BlockStatus] = []
+        # Set when a promotion found no evictable block in this step: later
+        # promotions in the step are misses at once, instead of each one
+        # scanning a primary tier full of pinned or in-flight blocks.
+        self._primary_full_this_step: bool = False
 
         # Gate for once-per-step execution of _maybe_process_finished_jobs().
         # Reset at the end of each step in take_events().
@@ -233,6 +244,9 @@ class TieringOffloadingManager(OffloadingManager):
         for i, tier in enumerate(self.secondary_tiers):
             for completed_job in tier.get_finished():
                 job_id = completed_job.job_id
+                if job_id in self._orphaned_jobs:
+                    self._release_orphaned_job(job_id)
+                    continue
                 job_metadata = self._transfer_jobs.pop(job_id, None)
                 assert job_metadata is not None, (
                     f"Finished job_id {job_id} from tier #{i}"
@@ -243,21 +257,18 @@ class TieringOffloadingManager(OffloadingManager):
                     # secondary→primary transfer (promotion) completed.
                     # Make the blocks that arrived available in the primary
                     # tier; free the slots of those that did not.
-                    failed_keys: Collection[OffloadKey] = ()
-                    if not completed_job.success:
-                        failed_keys = set(
-                            job_metadata.keys
-                            if completed_job.failed_keys is None
-                            else completed_job.failed_keys
-                        )
+                    if completed_job.success:
+                        arrived: Collection[OffloadKey] = job_metadata.keys
+                        failed: Collection[OffloadKey] = ()
+                    else:
+                        arrived = set(completed_job.successful_keys)
+                        failed = [k for k in job_metadata.keys if k not in arrived]
                     self.primary_tier.complete_write(
-                        [k for k in job_metadata.keys if k not in failed_keys],
-                        job_metadata.req_context,
-                        True,
+                        arrived, job_metadata.req_context, True
                     )
-                    if failed_keys:
+                    if failed:
                         self.primary_tier.complete_write(
-                            failed_keys, job_metadata.req_context, False
+                            failed, job_metadata.req_context, False
                         )
                 else:
                     # primary→secondary transfer completed.
@@ -265,39 +276,6 @@ class TieringOffloadingManager(OffloadingManager):
                     self.primary_tier.complete_read(
                         job_metadata.keys, job_metadata.req_context
                     )
-                    self._check_writes(i, tier, job_metadata, completed_job)
-
-    def _check_writes(
-        self,
-        tier_idx: int,
-        tier: SecondaryTierManager,
-        job_metadata: JobMetadata,
-        result: JobResult,
-    ) -> None:
-        """Say once, loudly, if a secondary tier has failed every write."""
-        num_keys = len(job_metadata.keys)
-        num_failed = (
-            0
-            if result.success
-            else num_keys
-            if result.failed_keys is None
-            else len(result.failed_keys)
-        )
-        self._blocks_written[tier_idx] += num_keys - num_failed
-        if (
-            num_failed
-            and self._blocks_written[tier_idx] == 0
-            and not self._reported_all_writes_failed[tier_idx]
-        ):
-            self._reported_all_writes_failed[tier_idx] = True
-            logger.error(
-                "Secondary tier #%d (%s) has failed every block write so far: "
-                "it holds no KV cache data and cannot serve hits. Check its "
-                "configuration and storage (see the tier's first I/O error "
-                "above). This is reported once.",
-                tier_idx,
-                tier.tier_type,
-            )
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """
@@ -324,7 +302,7 @@ class TieringOffloadingManager(OffloadingManager):
 
         primary_hit = self.primary_tier.lookup(key, req_context)
         if primary_hit is True:
-            self._ready_keys_this_step.setdefault(req_context.req_id, set()).add(key)
+            self._pin_until_step_end(key)
             return True
         if primary_hit is None:
             return None
@@ -342,6 +320,35 @@ class TieringOffloadingManager(OffloadingManager):
         if any_none:
             return None
         return False
+
+    def _release_orphaned_job(self, job_id: JobId) -> None:
+        """A transfer from before reset_cache() finished: hand back the slots
+        no other such transfer still uses."""
+        job_metadata = self._orphaned_jobs.pop(job_id)
+        released = []
+        for block_id in job_metadata.block_ids.tolist():
+            self._orphaned_slots[block_id] -= 1
+            if not self._orphaned_slots[block_id]:
+                del self._orphaned_slots[block_id]
+                released.append(block_id)
+        self.primary_tier.release_slots(released)
+
+    def _pin_until_step_end(self, key: OffloadKey) -> None:
+        """Keep a block lookup() reported ready until the engine step ends.
+
+        The scheduler loads it later in the step (prepare_load()); until then
+        a promotion must not evict it, or the request would miss it on the
+        next step, promote it again and evict another of its blocks, forever.
+        The hit also counts as a use, so that eviction, which scans from the
+        least recently used end, does not walk over the pinned blocks.
+        """
+        self._pinned_this_step.append(self.primary_tier.pin(key))
+
+    def _unpin_step(self) -> None:
+        for block in self._pinned_this_step:
+            block.ref_cnt -= 1
+        self._pinned_this_step.clear()
+        self._primary_full_this_step = False
 
     def _initiate_promotion(
         self,
@@ -370,19 +377,14 @@ class TieringOffloadingManager(OffloadingManager):
         # Must happen immediately so primary.lookup() returns None (in-flight)
         # for this key on any subsequent lookup() call within the same step,
         # preventing duplicate promotion attempts.
-        # Never evict a block that lookup() already reported ready to the same
-        # request (e.g. its block of another KV cache group): the scheduler
-        # would then retry, miss it, promote it again and evict this one, and
-        # the request would be deferred forever. Treat this block as a miss.
-        primary_write_result = self.primary_tier.prepare_write(
-            [key],
-            req_context,
-            protected=self._ready_keys_this_step.get(req_context.req_id, ()),
-        )
+        if self._primary_full_this_step:
+            return False
+        primary_write_result = self.primary_tier.prepare_write([key], req_context)
 
         if primary_write_result is None:
             # Primary tier is full; caller should treat the block as unavailable
             # rather than retrying indefinitely.
+            self._primary_full_this_step = True
             return False
 
         store_spec = primary_write_result.store_spec
@@ -587,7 +589,7 @@ class TieringOffloadingManager(OffloadingManager):
 
         # Reset the per-step gate so next step's first call does real work.
         self._processed_jobs_this_step = False
-        self._ready_keys_this_step.clear()
+        self._unpin_step()
 
         if self.events is not None:
             yield from self.events
@@ -600,20 +602,23 @@ class TieringOffloadingManager(OffloadingManager):
 
         The scheduler discards every in-flight GPU<->CPU job on reset (it
         never calls complete_store/complete_load for them), so the primary
-        tier must forget them too: otherwise their blocks stay in flight
+        tier forgets them too: otherwise their blocks would stay in flight
         (lookup() returns None forever) or pinned (never evictable).
-        In-flight secondary-tier transfers read or write primary slots that
-        the reset frees for reuse, so they are waited for first.
+        Secondary-tier transfers in flight keep reading or writing their
+        primary slots, so those slots stay out of reuse until the transfers
+        finish (their results are then discarded), instead of waiting for
+        them here: reset_cache() must not block on a slow or stuck tier.
         Secondary tiers keep their blocks.
         """
-        # Promotions not yet submitted: their slots are freed below.
+        # Promotions not yet submitted hold slots but no transfer: dropped.
         self._pending_load_submissions.clear()
-        while self._transfer_jobs:
-            self._process_finished_jobs()
-            if self._transfer_jobs:
-                time.sleep(0.001)
-        self.primary_tier.reset_cache()
-        self._ready_keys_this_step.clear()
+        for job_id, job_metadata in self._transfer_jobs.items():
+            self._orphaned_jobs[job_id] = job_metadata
+            self._orphaned_slots.update(job_metadata.block_ids.tolist())
+        self._transfer_jobs.clear()
+        self._pinned_this_step.clear()
+        self._primary_full_this_step = False
+        self.primary_tier.reset_cache(in_use_slots=self._orphaned_slots.keys())
 
     def shutdown(self) -> None:
         """Shutdown all tiers and release resources."""

@@ -8,7 +8,11 @@ and configurable secondary tiers (e.g., Storage, Network).
 
 Configuration via kv_connector_extra_config:
   - cpu_bytes_to_use: (required) Bytes to allocate for CPU primary tier
-  - block_size: (optional) Block size for offloaded blocks (default: GPU block size)
+  - blocks_per_chunk: (optional) GPU blocks per offloaded block, the same
+    for every KV cache group, whatever their block sizes (default: 1)
+  - block_size: (optional) Tokens per offloaded block (default: GPU block
+    size); only for models whose KV cache groups share one block size. Set
+    at most one of blocks_per_chunk and block_size.
   - eviction_policy: (optional) Primary tier eviction policy: "lru" or
     "arc" (default: "lru")
   - secondary_tiers: (optional) List of secondary tier configurations
@@ -31,20 +35,20 @@ Example configuration:
 }
 """
 
+import mmap
 import os
-from mmap import PAGESIZE
 
 import torch
 from typing_extensions import override
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
 from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -67,8 +71,16 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     memory and must transfer data through the primary tier.
     """
 
+    # Secondary tiers copy whole rows of the primary tier, e.g. with O_DIRECT,
+    # which needs page-aligned buffers and lengths.
+    BLOCK_SIZE_ALIGNMENT = mmap.PAGESIZE
+
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        super().__init__(vllm_config, kv_cache_config)
+        super().__init__(
+            vllm_config,
+            kv_cache_config,
+            block_size_alignment=self.BLOCK_SIZE_ALIGNMENT,
+        )
         # Redeclare for mypy: parent sets this but `--follow-imports skip` hides it
         self._manager: OffloadingManager | None = None
 
@@ -77,27 +89,13 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         if not isinstance(self.secondary_tier_configs, list):
             raise ValueError("secondary_tiers must be a list of tier configurations")
 
-        # Checked before get_manager() allocates the CPU region and tiers.
+        # Checked here, before get_manager() allocates the CPU region and tiers.
         if int(self.extra_config.get("store_threshold", 0)) >= 2:
             raise ValueError(
                 "store_threshold is not supported for TieringOffloadingSpec, "
                 f"got store_threshold={self.extra_config['store_threshold']}; "
                 "remove it or set it to 0."
             )
-
-        # Secondary tiers copy whole rows of the primary tier. Round each
-        # worker's row area up to the page size, so that rows start and end
-        # on page boundaries (as O_DIRECT needs), whatever the KV layout (e.g.
-        # mamba state or odd head sizes). num_blocks shrinks to keep the
-        # region within cpu_bytes_to_use.
-        if self.secondary_tier_configs:
-            world_size = vllm_config.parallel_config.world_size
-            padded_page_size = cdiv(self.cpu_page_size_per_worker, PAGESIZE) * PAGESIZE
-            if padded_page_size != self.cpu_page_size_per_worker:
-                self.cpu_page_size_per_worker = padded_page_size
-                self.num_blocks = int(self.extra_config["cpu_bytes_to_use"]) // (
-                    padded_page_size * world_size
-                )
 
         # Scheduler-side mmap (rank=None); kept for cleanup
         self._scheduler_mmap: SharedOffloadRegion | None = None
@@ -145,17 +143,11 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
 
             # Create secondary tiers
             primary_kv_view = primary_tier.get_kv_memoryview()
-            secondary_tiers = []
+            secondary_tiers: list[SecondaryTierManager] = []
             for i, tier_config in enumerate(self.secondary_tier_configs):
                 try:
                     tier = SecondaryTierFactory.create_secondary_tier(
                         tier_config, primary_kv_view, self
-                    )
-                    secondary_tiers.append(tier)
-                    logger.info(
-                        "Created secondary tier #%d (%s)",
-                        i,
-                        tier.tier_type,
                     )
                 except Exception as e:
                     logger.error(
@@ -163,19 +155,38 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                         tier_config,
                         e,
                     )
+                    # Release what was created: the tiers' threads, the
+                    # primary tier's view and the /dev/shm region.
+                    for created in secondary_tiers:
+                        created.shutdown()
+                    del primary_kv_view
+                    primary_tier.shutdown()
+                    self._scheduler_mmap = None
                     raise
+                secondary_tiers.append(tier)
+                logger.info(
+                    "Created secondary tier #%d (%s)",
+                    i,
+                    tier.tier_type,
+                )
 
             persistent = [t.tier_type for t in secondary_tiers if t.persistent]
-            if persistent and os.getenv("PYTHONHASHSEED") is None:
-                # init_none_hash() then seeds block hashes with os.urandom
+            hash_algo = self.vllm_config.cache_config.prefix_caching_hash_algo
+            if (
+                persistent
+                and hash_algo.startswith("xxhash")
+                and os.getenv("PYTHONHASHSEED") is None
+            ):
+                # init_none_hash() then seeds block hashes randomly per process
                 logger.warning(
                     "Secondary tier(s) %s keep KV cache blocks across "
-                    "restarts, but PYTHONHASHSEED is not set: vLLM seeds "
-                    "block hashes randomly per process, so after a restart "
-                    "no stored block is ever hit. Set PYTHONHASHSEED to the "
-                    "same value (e.g. PYTHONHASHSEED=0) for every vLLM "
-                    "process that shares these tiers.",
+                    "restarts, but with prefix_caching_hash_algo=%s and no "
+                    "PYTHONHASHSEED, block hashes are seeded randomly per "
+                    "process: after a restart no stored block is ever hit. Set "
+                    "PYTHONHASHSEED to the same value for every vLLM process "
+                    "that shares these tiers, or use sha256.",
                     persistent,
+                    hash_algo,
                 )
 
             # Create TieringOffloadingManager. GPU↔CPU transfers use the inherited

@@ -2,13 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
 import random
 import threading
-
-import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def probe_direct_io(directory: str, buffer: memoryview, block_size: int) -> str 
     if not O_DIRECT:
         return "O_DIRECT is not available on this platform"
     flat = buffer.cast("B")
-    address = np.frombuffer(flat, dtype=np.uint8).ctypes.data if len(flat) else 0
+    address = ctypes.addressof(ctypes.c_char.from_buffer(flat)) if len(flat) else 0
     if block_size % mmap.PAGESIZE or address % mmap.PAGESIZE:
         return (
             f"the primary tier's rows ({block_size} bytes at address "
@@ -56,16 +55,18 @@ def probe_direct_io(directory: str, buffer: memoryview, block_size: int) -> str 
     probe_path = os.path.join(directory, f".direct_io_probe{_get_tmp_suffix()}")
     probe_buf = mmap.mmap(-1, block_size)
     try:
-        fd = os.open(probe_path, os.O_CREAT | os.O_RDWR | os.O_TRUNC | O_DIRECT, 0o644)
+        # Created without O_DIRECT first: a directory that cannot be written
+        # is a configuration error, not a reason for buffered I/O.
+        os.close(os.open(probe_path, os.O_CREAT | os.O_WRONLY, 0o644))
         try:
-            if os.write(fd, probe_buf) != block_size:
-                return "a short O_DIRECT write"
-            if os.preadv(fd, [probe_buf], 0) != block_size:
-                return "a short O_DIRECT read"
-        finally:
-            os.close(fd)
-    except OSError as e:
-        return f"O_DIRECT I/O failed on this filesystem ({e})"
+            fd = os.open(probe_path, os.O_RDWR | O_DIRECT)
+            try:
+                os.write(fd, probe_buf)
+                os.preadv(fd, [probe_buf], 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            return f"O_DIRECT I/O is not supported here ({e})"
     finally:
         probe_buf.close()
         with contextlib.suppress(OSError):

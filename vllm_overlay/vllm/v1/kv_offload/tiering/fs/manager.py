@@ -178,12 +178,13 @@ class FileSystemTierManager(SecondaryTierManager):
         results = []
         for job_id, failed in self._pool.get_finished():
             keys = self._job_keys.pop(job_id)
+            if not failed:
+                results.append(JobResult(job_id=job_id, success=True))
+                continue
+            failed_idx = set(failed)
+            successful = [k for i, k in enumerate(keys) if i not in failed_idx]
             results.append(
-                JobResult(
-                    job_id=job_id,
-                    success=not failed,
-                    failed_keys=[keys[i] for i in failed] if failed else None,
-                )
+                JobResult(job_id=job_id, success=False, successful_keys=successful)
             )
         return results
 

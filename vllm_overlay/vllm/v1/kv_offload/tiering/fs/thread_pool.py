@@ -9,6 +9,7 @@ Thread pool:
 """
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -16,6 +17,60 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.base import JobId
 
 logger = init_logger(__name__)
+
+# A failing tier reports at most one line per interval, with the counts since
+# its previous line: a disk that fills up after an hour is as visible as one
+# that fails at start, and a tier failing every block does not flood the log.
+FAILURE_REPORT_INTERVAL_S = 30.0
+
+
+class FailureReport:
+    """Rate-limited, thread-safe report of failed block I/O.
+
+    The first failure is logged at once; later ones at most once per
+    FAILURE_REPORT_INTERVAL_S, each line with the jobs and blocks that
+    failed since the previous line and the last error. Counts not yet
+    reported are logged by flush() (at shutdown).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs = 0
+        self._failed_blocks = 0
+        self._blocks = 0
+        self._last_error: str | None = None
+        self._next_report = 0.0
+
+    def record(self, failed_blocks: int, blocks: int, error: str | None) -> None:
+        with self._lock:
+            self._jobs += 1
+            self._failed_blocks += failed_blocks
+            self._blocks += blocks
+            self._last_error = error
+            now = time.monotonic()
+            if now < self._next_report:
+                return
+            self._next_report = now + FAILURE_REPORT_INTERVAL_S
+            line = self._take_line()
+        logger.warning(*line)
+
+    def flush(self) -> None:
+        with self._lock:
+            line = self._take_line() if self._jobs else None
+        if line is not None:
+            logger.warning(*line)
+
+    def _take_line(self) -> tuple:
+        line = (
+            "FileSystemTierManagerPython: block I/O failed for %d of %d blocks "
+            "in %d job(s) since the previous report (last error: %s)",
+            self._failed_blocks,
+            self._blocks,
+            self._jobs,
+            self._last_error,
+        )
+        self._jobs = self._failed_blocks = self._blocks = 0
+        return line
 
 
 class JobState:
@@ -78,7 +133,7 @@ class DualQueueThreadPool:
         self._threads: list[threading.Thread] = []
         # (job_id, indices of the failed tasks)
         self._finished_q: deque[tuple[JobId, list[int]]] = deque()
-        self._logged_failure = False
+        self._failures = FailureReport()
 
         for i in range(n_read_threads):
             t = threading.Thread(
@@ -150,6 +205,7 @@ class DualQueueThreadPool:
         if wait:
             for t in self._threads:
                 t.join()
+        self._failures.flush()
 
     def _worker(self, load_priority: bool) -> None:
         # Wait for tasks, process from primary queue first, fall back to secondary.
@@ -173,16 +229,7 @@ class DualQueueThreadPool:
 
             if job_finished:
                 if state.failed:
-                    # One line for the first failed job, not per block; the
-                    # tiering manager reports a tier whose writes all fail.
-                    log = logger.debug if self._logged_failure else logger.warning
-                    self._logged_failure = True
-                    log(
-                        "FileSystemTierManagerPython: job %s: block I/O failed "
-                        "for %d of %d blocks (first error: %s)",
-                        state.job_id,
-                        len(state.failed),
-                        state.n_tasks,
-                        state.first_error,
+                    self._failures.record(
+                        len(state.failed), state.n_tasks, state.first_error
                     )
                 self._finished_q.append((state.job_id, state.failed))
