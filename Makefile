@@ -7,7 +7,7 @@ GROUP ?=
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu clean wheel
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -49,6 +49,12 @@ e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, con
 
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
 	@.venv/bin/python e2e/run_gpu.py
+
+bench: ## patched vs pristine scheduler cost, fs tier vs raw disk, HMA cost (BENCH_QUICK=1: ~1 min)
+	@.venv/bin/python bench/run_bench.py
+
+bench-gpu: ## the benchmark on a GPU runner; prints "no GPU" and exits 0 without one
+	@.venv/bin/python bench/gpu_bench.py
 
 clean: ## remove build/ and .venv (the download cache stays); refuses unexported work in build/vllm
 	@$(S)/clean.py

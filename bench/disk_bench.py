@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Disk tier: the fs_python tier's store/load throughput vs raw file-per-block I/O, and HMA cost.
+
+Runs on the vLLM this interpreter imports (.venv: the patched tree). Both sides use the same
+directory tree (the tier's own FileMapper paths, under tier/ and raw/), the same number of
+threads and the same page-aligned buffer. Directories are created beforehand (steady state of
+a long-lived cache); files are deleted between rounds. Before every load, the files' pages are
+dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so buffered reads hit the disk too.
+The raw reference uses O_DIRECT when the row allows it (page-aligned rows), else buffered I/O,
+as the tier does. Throughput counts the payload bytes (the KV data), not the padding.
+
+Sections: rows of several sizes (one KV cache group), then equal bytes per token stored as
+1, 2 or 4 KV cache groups (G files per chunk).
+"""
+
+import argparse
+import hashlib
+import itertools
+import json
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+
+from common import QUICK, TMP, BenchError, run_main, say, vllm_fingerprint
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import numpy as np  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import JobMetadata  # noqa: E402
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
+
+from fakes import fake_spec  # noqa: E402
+
+# A tier that fails every block logs an error per block; the job result says it failed.
+# (Set after importing vLLM: its logging config resets the levels of existing loggers.)
+logging.getLogger("vllm.v1.kv_offload.tiering.fs").setLevel(logging.CRITICAL)
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+PAGE = mmap.PAGESIZE
+
+
+class Point:
+    """One measured configuration: a primary buffer of `rows` rows, a tier and raw files."""
+
+    def __init__(
+        self, root: str, row_bytes: int, payload: int, chunks: int, groups: int, threads: int
+    ):
+        self.row_bytes, self.payload, self.groups = row_bytes, payload, groups
+        self.rows = chunks * groups
+        self.buf = mmap.mmap(-1, self.rows * row_bytes)  # page-aligned
+        arr = np.frombuffer(self.buf, dtype=np.uint8).reshape(self.rows, row_bytes)
+        pattern = np.frombuffer(np.random.default_rng(row_bytes).bytes(1 << 20), np.uint8)
+        flat_arr = arr.reshape(-1)
+        for start in range(0, flat_arr.size, pattern.size):
+            chunk = flat_arr[start : start + pattern.size]
+            chunk[:] = pattern[: chunk.size]
+            pattern = np.roll(pattern, 4099)  # no two rows alike
+        self.arr = arr
+        self.reference = arr.copy()
+        self.view = memoryview(arr)
+        self.flat = memoryview(self.buf)
+        tier_root = os.path.join(root, "tier")
+        self.tier = FileSystemTierManager(
+            fake_spec(groups),
+            self.view,
+            "fs_python",
+            root_dir=tier_root,
+            n_read_threads=threads // 2,
+            n_write_threads=threads - threads // 2,
+        )
+        self.direct = getattr(self.tier, "_direct_io", True)  # the patched tier decides
+        # chunk c, group g -> row c * groups + g (a chunk's G keys are adjacent)
+        hashes = [
+            hashlib.sha256(f"{row_bytes}-{groups}-{c}".encode()).digest() for c in range(chunks)
+        ]
+        self.keys = [make_offload_key(h, g) for h in hashes for g in range(groups)]
+        self.tier_paths = [self.tier.file_mapper.get_file_name(k) for k in self.keys]
+        raw_root = os.path.join(root, "raw")
+        self.raw_paths = [p.replace(tier_root, raw_root, 1) for p in self.tier_paths]
+        for p in {os.path.dirname(p) for p in self.tier_paths + self.raw_paths}:
+            os.makedirs(p, exist_ok=True)
+        # the raw reference writes only the payload: O_DIRECT when it is page-sized
+        self.raw_direct = payload % PAGE == 0 and O_DIRECT != 0
+        self.threads = threads
+        self._job = itertools.count()
+
+    # -- the fs tier, driven as TieringOffloadingManager drives it
+    def tier_io(self, is_load: bool) -> float:
+        job_id = next(self._job)
+        job = JobMetadata(
+            job_id=job_id,
+            keys=self.keys,
+            block_ids=np.arange(self.rows, dtype=np.int64),
+            is_promotion=is_load,
+            req_context=ReqContext(req_id="bench"),
+        )
+        t0 = time.perf_counter()
+        (self.tier.submit_load if is_load else self.tier.submit_store)(job)
+        while True:
+            done = [r for r in self.tier.get_finished() if r.job_id == job_id]
+            if done:
+                break
+            time.sleep(0.001)
+        took = time.perf_counter() - t0
+        if not done[0].success:
+            raise OSError("the fs tier reported a failed job")
+        return took
+
+    # -- raw file-per-block I/O, same threads
+    def raw_io(self, is_load: bool, serial_chunks: bool = False) -> float:
+        flags = O_DIRECT if self.raw_direct else 0
+        rb, n, flat, paths = self.row_bytes, self.payload, self.flat, self.raw_paths
+
+        def store(i: int) -> None:
+            fd = os.open(paths[i], os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flags, 0o644)
+            try:
+                if os.write(fd, flat[i * rb : i * rb + n]) != n:
+                    raise OSError("short write")
+            finally:
+                os.close(fd)
+
+        def load(i: int) -> None:
+            fd = os.open(paths[i], os.O_RDONLY | flags)
+            try:
+                if os.readv(fd, [flat[i * rb : i * rb + n]]) != n:
+                    raise OSError("short read")
+            finally:
+                os.close(fd)
+
+        fn = load if is_load else store
+        g = self.groups
+        if serial_chunks:  # one task per chunk: its G files one after the other
+            n_tasks = self.rows // g
+
+            def task(c: int) -> None:
+                for i in range(c * g, (c + 1) * g):
+                    fn(i)
+        else:
+            n_tasks, task = self.rows, fn
+        counter = itertools.count()
+        errors: list[Exception] = []
+
+        def worker() -> None:
+            try:
+                while (i := next(counter)) < n_tasks:
+                    task(i)
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker) for _ in range(self.threads)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return took
+
+    def evict(self, paths: list[str]) -> None:
+        os.sync()  # write back buffered files, so that their pages can be dropped
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def drop(self, paths: list[str]) -> None:
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def round_trip(self, side: str) -> tuple[float, float]:
+        """Store every row, drop it from memory, load it back and check it; (store s, load s)."""
+        paths = self.tier_paths if side == "tier" else self.raw_paths
+        self.drop(paths)
+        io = (
+            self.tier_io
+            if side == "tier"
+            else (lambda is_load: self.raw_io(is_load, serial_chunks=side == "raw_serial"))
+        )
+        t_store = io(False)
+        self.evict(paths)
+        self.arr[:] = 0
+        t_load = io(True)
+        if not np.array_equal(self.arr[:, : self.payload], self.reference[:, : self.payload]):
+            raise BenchError(f"{side}: the loaded rows differ from the stored rows")
+        self.drop(paths)
+        return t_store, t_load
+
+    def close(self) -> None:
+        self.tier.shutdown()
+        self.view.release()
+        self.flat.release()
+
+
+def measure(point: Point, sides: list[str], rounds: int) -> dict:
+    out = {s: {"store_s": [], "load_s": []} for s in sides}
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            try:
+                t_store, t_load = point.round_trip(side)
+            except OSError as e:
+                out[side]["error"] = str(e)
+                continue
+            out[side]["store_s"].append(t_store)
+            out[side]["load_s"].append(t_load)
+    return out
+
+
+def fingerprint() -> str:
+    import vllm
+
+    path = os.path.dirname(vllm.__file__)
+    fp = vllm_fingerprint(path)
+    return f"{vllm.__version__} from {path} (files {fp['digest']}, newest {fp['newest']})"
+
+
+def has_integrity_check() -> bool:
+    """Whether the fs tier's I/O verifies what it reads (a checksum or digest)."""
+    import inspect
+
+    from vllm.v1.kv_offload.tiering.fs import io
+
+    source = inspect.getsource(io).lower()
+    return any(word in source for word in ("checksum", "crc", "digest", "xxhash"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(TMP / "disk.json"))
+    ap.add_argument("--rounds", type=int, default=1 if QUICK else 3)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=16,
+        help="I/O threads: the tier gets half read-, half write-priority",
+    )
+    args = ap.parse_args()
+    root = TMP / "disk"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    max_bytes = (32 if QUICK else 128) << 20
+    max_files = 512 if QUICK else 2048
+    # (label, row bytes in the primary tier, payload bytes per block)
+    rows = [
+        ("4 KiB", 4 << 10, 4 << 10),
+        ("64 KiB", 64 << 10, 64 << 10),
+        ("2 MiB", 2 << 20, 2 << 20),
+        ("1280 B, unpadded row", 1280, 1280),
+        ("1280 B, row padded to 4 KiB", 4 << 10, 1280),
+    ]
+    t_start = time.monotonic()
+    results: dict = {
+        "rows": [],
+        "hma": [],
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "dir": str(root),
+        "integrity_check": has_integrity_check(),
+        "fingerprint": fingerprint(),
+    }
+    say(
+        f"disk tier: fs_python vs raw file-per-block I/O in {root}, {args.threads} threads, "
+        f"{args.rounds} rounds"
+    )
+    for label, row_bytes, payload in rows:
+        n = max(1, min(max_files, max_bytes // row_bytes))
+        point = Point(
+            str(root / f"rows-{row_bytes}-{payload}"), row_bytes, payload, n, 1, args.threads
+        )
+        try:
+            res = measure(point, ["tier", "raw"], args.rounds)
+        finally:
+            point.close()
+        results["rows"].append(
+            {
+                "label": label,
+                "row_bytes": row_bytes,
+                "payload": payload,
+                "blocks": n,
+                "tier_direct": point.direct,
+                "raw_direct": point.raw_direct,
+                **res,
+            }
+        )
+        say(f"  rows {label}: {n} blocks done ({time.monotonic() - t_start:.0f} s)")
+
+    chunk = 256 << 10  # bytes per chunk (all groups together), equal for every G
+    chunks = (32 if QUICK else 128) << 20 >> 18
+    for groups in (1, 2, 4):
+        point = Point(
+            str(root / f"hma-g{groups}"),
+            chunk // groups,
+            chunk // groups,
+            chunks,
+            groups,
+            args.threads,
+        )
+        sides = ["tier", "raw"] + (["raw_serial"] if groups > 1 else [])
+        try:
+            res = measure(point, sides, args.rounds)
+        finally:
+            point.close()
+        results["hma"].append(
+            {
+                "groups": groups,
+                "row_bytes": chunk // groups,
+                "chunks": chunks,
+                "chunk_bytes": chunk,
+                "tier_direct": point.direct,
+                **res,
+            }
+        )
+        say(
+            f"  HMA {groups} group(s): {chunks} chunks of {chunk >> 10} KiB done "
+            f"({time.monotonic() - t_start:.0f} s)"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+    results["seconds"] = time.monotonic() - t_start
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    say(f"disk tier done in {results['seconds']:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,48 @@
+"""A duck-typed OffloadingSpec: the attributes the connector scheduler, the tiering managers
+and FileMapper read, in pristine 0.22.1 and in the patched tree (which adds per-group
+offloaded_block_size and hash_blocks_per_offloaded_block). Building a real spec needs a model
+config, and pristine TieringOffloadingSpec.get_manager refuses more than one KV cache group."""
+
+from types import SimpleNamespace
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+BLOCK_SIZE = 16  # tokens per GPU block = per offloaded block (no chunking)
+
+
+def fake_spec(num_groups: int, manager=None, model: str = "bench/model") -> SimpleNamespace:
+    groups = [
+        SimpleNamespace(
+            kv_cache_spec=FullAttentionSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float16
+            ),
+            layer_names=[f"model.layers.{g}.attn"],
+        )
+        for g in range(num_groups)
+    ]
+    parallel = SimpleNamespace(
+        world_size=1,
+        rank=0,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        prefill_context_parallel_size=1,
+        decode_context_parallel_size=1,
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=True, block_size=BLOCK_SIZE, cache_dtype="auto"
+        ),
+        model_config=SimpleNamespace(model=model),
+    )
+    return SimpleNamespace(
+        vllm_config=vllm_config,
+        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        gpu_block_size=(BLOCK_SIZE,) * num_groups,
+        hash_block_size=BLOCK_SIZE,
+        block_size_factor=1,
+        offloaded_block_size=(BLOCK_SIZE,) * num_groups,
+        hash_blocks_per_offloaded_block=(1,) * num_groups,
+        get_manager=lambda: manager,
+    )

@@ -1,0 +1,298 @@
+"""One side of the scheduler benchmark: times cases on the vLLM this interpreter imports.
+
+Started by sched_bench.py twice, once on the patched .venv and once with PYTHONPATH set to
+pristine 0.22.1. Reads one JSON command per line on stdin, answers one JSON line per command.
+Usage: sched_worker.py FS_ROOT (a scratch directory for the fs tier's cold lookups).
+Written against the pristine 0.22.1 API, so the same code path runs on both trees:
+- the managers are built directly (pristine TieringOffloadingSpec.get_manager asserts one
+  KV cache group): a real CPUPrimaryTierOffloadingManager over a real SharedOffloadRegion and a
+  real TieringOffloadingManager;
+- the real OffloadingConnectorScheduler runs over a duck-typed spec (fakes.py).
+"""
+
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+# Keep the protocol on our own copy of stdout: vLLM's logger writes to stdout.
+_proto = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
+    OffloadingConnectorScheduler,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager  # noqa: E402
+from vllm.v1.kv_offload.tiering.example.manager import (  # noqa: E402
+    ExampleSecondaryTierManager,
+)
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
+from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+
+from common import vllm_fingerprint  # noqa: E402
+from fakes import BLOCK_SIZE, fake_spec  # noqa: E402
+
+ROW_BYTES = 64  # the scheduler side never touches the rows' bytes
+_regions = 0
+
+
+class AlwaysHitTier(SecondaryTierManager):
+    """A secondary tier that holds every key and finishes every job at once."""
+
+    def __init__(self, primary_kv_view: memoryview):
+        super().__init__(None, primary_kv_view, "always_hit")
+        self._done: list[JobResult] = []
+
+    def lookup(self, key, req_context):
+        return True
+
+    def submit_store(self, job_metadata):
+        self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
+
+    def submit_load(self, job_metadata):
+        self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
+
+    def get_finished(self):
+        done, self._done = self._done, []
+        return done
+
+
+def make_manager(num_blocks: int, tier: str, fs_root: str = "") -> TieringOffloadingManager:
+    global _regions
+    _regions += 1
+    region = SharedOffloadRegion(
+        instance_id=f"bench-{os.getpid()}-{_regions}",
+        total_size_bytes=ROW_BYTES * num_blocks,
+        num_blocks=num_blocks,
+        rank=None,
+        num_workers=1,
+        cpu_page_size=ROW_BYTES,
+    )
+    primary = CPUPrimaryTierOffloadingManager(num_blocks=num_blocks, mmap_region=region)
+    view = primary.get_kv_memoryview()
+    if tier == "example":
+        secondary = ExampleSecondaryTierManager(None, view, "example")
+    elif tier == "always_hit":
+        secondary = AlwaysHitTier(view)
+    else:
+        secondary = FileSystemTierManager(
+            fake_spec(1, None),
+            view,
+            "fs_python",
+            root_dir=fs_root,
+            n_read_threads=1,
+            n_write_threads=1,
+        )
+    return TieringOffloadingManager(primary_tier=primary, secondary_tiers=[secondary])
+
+
+class FakeRequest:
+    """The attributes of vllm.v1.request.Request that the connector scheduler reads."""
+
+    def __init__(self, req_id: str, block_hashes: list[bytes]):
+        self.request_id = req_id
+        self.kv_transfer_params = None
+        self.block_hashes = block_hashes
+        self.num_tokens = len(block_hashes) * BLOCK_SIZE
+        self.num_computed_tokens = 0
+        self.finished = False
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def hashes(n: int, salt: str) -> list[bytes]:
+    return [hashlib.sha256(f"{salt}-{i}".encode()).digest() for i in range(n)]
+
+
+def sched_output(req_id: str | None, block_ids: tuple, num_tokens: int) -> SimpleNamespace:
+    new = [] if req_id is None else [SimpleNamespace(req_id=req_id, block_ids=block_ids)]
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={} if req_id is None else {req_id: num_tokens},
+        preempted_req_ids=None,
+    )
+
+
+def complete(sched: OffloadingConnectorScheduler, job_ids) -> None:
+    meta = OffloadingWorkerMetadata()
+    for job_id in job_ids:
+        meta.mark_completed(job_id)
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+
+
+def case_perkey(groups: int, blocks: int, repeats: int) -> dict:
+    """Store a request's blocks for every group through the real connector scheduler, then
+    hit and load them for a second request with the same prompt. Times both, per key."""
+    out = {"store_us_per_key": [], "hit_load_us_per_key": [], "total_us_per_key": []}
+    num_keys = groups * blocks
+    for rep in range(repeats):
+        block_hashes = hashes(blocks, f"perkey-{rep}")
+        manager = make_manager(num_keys, "example")
+        sched = OffloadingConnectorScheduler(fake_spec(groups, manager))
+        try:
+            gpu_ids = tuple([g * blocks + i + 1 for i in range(blocks)] for g in range(groups))
+            alloc = KVCacheBlocks(tuple([KVCacheBlock(b) for b in ids] for ids in gpu_ids))
+            req_a = FakeRequest("a", block_hashes)
+            req_b = FakeRequest("b", block_hashes)
+            num_tokens = req_a.num_tokens
+            out_a = sched_output("a", gpu_ids, num_tokens)
+            out_b = sched_output("b", gpu_ids, num_tokens)
+            gc.collect()
+
+            t0 = time.perf_counter()
+            hit, _ = sched.get_num_new_matched_tokens(req_a, 0)
+            meta = sched.build_connector_meta(out_a)
+            complete(sched, meta.store_jobs)
+            list(sched.take_events())
+            req_a.finished = True
+            sched.request_finished(req_a)
+            t1 = time.perf_counter()
+            stored = sum(len(j.transfer_spec[1].block_ids) for j in meta.store_jobs.values())
+            if hit != 0 or stored != num_keys:
+                raise RuntimeError(f"store phase: hit={hit}, stored {stored} of {num_keys}")
+
+            t2 = time.perf_counter()
+            hit, _ = sched.get_num_new_matched_tokens(req_b, 0)
+            sched.update_state_after_alloc(req_b, alloc, hit)
+            meta = sched.build_connector_meta(out_b)
+            complete(sched, meta.load_jobs)
+            list(sched.take_events())
+            req_b.finished = True
+            sched.request_finished(req_b)
+            t3 = time.perf_counter()
+            loaded = sum(len(j.transfer_spec[0].block_ids) for j in meta.load_jobs.values())
+            if hit != num_tokens or loaded != num_keys:
+                raise RuntimeError(
+                    f"hit phase: hit {hit} of {num_tokens} tokens, "
+                    f"loaded {loaded} of {num_keys} keys"
+                )
+        finally:
+            sched.shutdown()
+        out["store_us_per_key"].append((t1 - t0) * 1e6 / num_keys)
+        out["hit_load_us_per_key"].append((t3 - t2) * 1e6 / num_keys)
+        out["total_us_per_key"].append((t1 - t0 + t3 - t2) * 1e6 / num_keys)
+    return out
+
+
+def store(manager: TieringOffloadingManager, keys, ctx: ReqContext) -> None:
+    out = manager.prepare_store(keys, ctx)
+    if out is None or len(out.keys_to_store) != len(keys):
+        raise RuntimeError("setup: the CPU tier did not take the blocks")
+    manager.complete_store(keys, ctx)
+    list(manager.take_events())  # end of step: cascades finish, ref counts drop
+
+
+def case_promotion(
+    ready: int, promote: int, full: bool, repeats: int = 1, budget_s: float = 3.0
+) -> dict:
+    """One request: `ready` keys in the CPU tier, then `promote` keys only in the secondary
+    tier. Step 1 looks all up (ready -> True, the others start a promotion) and ends the step;
+    step 2 looks all up again (all True). With `full`, the CPU tier holds exactly ready +
+    promote blocks, the oldest of another request: every promotion evicts one.
+    Repeated up to `repeats` times while the samples so far took less than `budget_s`."""
+    out = {"step1_ms": [], "step2_ms": []}
+    t_start = time.perf_counter()
+    while len(out["step1_ms"]) < repeats and (
+        not out["step1_ms"] or time.perf_counter() - t_start < budget_s
+    ):
+        step1, step2 = promotion_once(ready, promote, full, len(out["step1_ms"]))
+        out["step1_ms"].append(step1)
+        out["step2_ms"].append(step2)
+    return out
+
+
+def promotion_once(ready: int, promote: int, full: bool, rep: int) -> tuple[float, float]:
+    capacity = ready + promote if full else 2 * (ready + promote)
+    manager = make_manager(capacity, "always_hit")
+    try:
+        ctx = ReqContext(req_id="req")
+        keys = [make_offload_key(h, 0) for h in hashes(ready + promote, f"promo-{rep}")]
+        if full:
+            filler = [make_offload_key(h, 0) for h in hashes(promote, f"filler-{rep}")]
+            store(manager, filler, ReqContext(req_id="other"))
+        store(manager, keys[:ready], ctx)
+        gc.collect()
+
+        t0 = time.perf_counter()
+        results = [manager.lookup(k, ctx) for k in keys]
+        list(manager.take_events())
+        t1 = time.perf_counter()
+        again = [manager.lookup(k, ctx) for k in keys]
+        list(manager.take_events())
+        t2 = time.perf_counter()
+    finally:
+        manager.shutdown()
+    n_true, n_none = results.count(True), results.count(None)
+    if n_true != ready or n_none != promote or again.count(True) != len(keys):
+        raise RuntimeError(
+            f"step 1: {n_true} ready, {n_none} promoting (expected {ready}, {promote}); "
+            f"step 2: {again.count(True)} of {len(keys)} ready"
+        )
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def case_cold(blocks: int, repeats: int) -> dict:
+    """Lookup of a long cold prompt: every key misses the CPU tier and the secondary tier."""
+    out = {"example_us_per_key": [], "fs_us_per_key": []}
+    for rep in range(repeats):
+        keys = [make_offload_key(h, 0) for h in hashes(blocks, f"cold-{rep}")]
+        ctx = ReqContext(req_id="cold")
+        for tier, metric in (("example", "example_us_per_key"), ("fs", "fs_us_per_key")):
+            manager = make_manager(16, tier, sys.argv[1])
+            try:
+                gc.collect()
+                t0 = time.perf_counter()
+                hits = [manager.lookup(k, ctx) for k in keys]
+                t1 = time.perf_counter()
+                list(manager.take_events())
+            finally:
+                manager.shutdown()
+            if any(hits):
+                raise RuntimeError(f"cold lookup: {sum(map(bool, hits))} unexpected hits")
+            out[metric].append((t1 - t0) * 1e6 / blocks)
+    return out
+
+
+CASES = {"perkey": case_perkey, "promotion": case_promotion, "cold": case_cold}
+
+
+def main() -> None:
+    # warm up every code path once, so that no case pays for first calls
+    case_perkey(2, 64, 1)
+    case_promotion(64, 64, True)
+    case_cold(64, 1)
+    import vllm
+
+    path = os.path.dirname(vllm.__file__)
+    ready = {"ready": True, "version": vllm.__version__, "path": path, **vllm_fingerprint(path)}
+    _proto.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            result = CASES[cmd.pop("case")](**cmd)
+            _proto.write(json.dumps({"ok": result}) + "\n")
+        except Exception as e:
+            traceback.print_exc()
+            _proto.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
