@@ -42,10 +42,12 @@ def test_every_patch_says_why_and_is_signed_off():
     for p in patches:
         text = p.read_text()
         subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", text, re.M).group(1)
-        assert subject.startswith("[KV Offloading]"), p.name
+        # vLLM's convention: an area tag, e.g. [KV Offloading] or [Core]
+        assert re.match(r"\[(KV Offloading|Core)\] \S", subject), p.name
         assert re.search(r"^Signed-off-by: .+ <.+>$", text, re.M), p.name
         message = text.split("\n---\n")[0]
         assert "Upstream status:" in message, f"{p.name}: no 'Upstream status:' paragraph"
+        assert re.search(r"\b[Dd]rop\b", message), f"{p.name}: does not say when to drop it"
 
 
 def test_apply_builds_the_series_and_is_idempotent(project_copy):
