@@ -47,7 +47,8 @@ def test_every_patch_says_why_and_is_signed_off():
         assert re.search(r"^Signed-off-by: .+ <.+>$", text, re.M), p.name
         message = text.split("\n---\n")[0]
         assert "Upstream status:" in message, f"{p.name}: no 'Upstream status:' paragraph"
-        assert re.search(r"\b[Dd]rop\b", message), f"{p.name}: does not say when to drop it"
+        # when it can be dropped, or (tests only) that it is kept
+        assert re.search(r"[Dd]rop|[Kk]eep", message), f"{p.name}: no drop/keep rule"
 
 
 def test_apply_builds_the_series_and_is_idempotent(project_copy):
