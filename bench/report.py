@@ -425,7 +425,8 @@ def main() -> int:
     lines += [
         "## Goals",
         "",
-        "Judged on the best samples; medians in parentheses.",
+        "Judged on the best samples; medians in parentheses."
+        + (" Smoke run (BENCH_QUICK=1): one round, small sizes; indicative only." if QUICK else ""),
         "",
         *goals.lines,
         "",
@@ -436,7 +437,11 @@ def main() -> int:
         f"results: {md.relative_to(RESULTS.parents[1])}"
         + (f" ({note})" if note else f", plot: {png.relative_to(RESULTS.parents[1])}")
     )
-    print("\nGoals (best samples; medians in parentheses):")
+    print(
+        "\nGoals (best samples; medians in parentheses)"
+        + (": smoke run, indicative only" if QUICK else "")
+        + ":"
+    )
     for ln in goals.lines:
         print("  " + ln.replace("**", ""))
     return 0
