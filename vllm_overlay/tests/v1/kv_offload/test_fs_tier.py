@@ -344,10 +344,12 @@ def test_aligned_rows_use_o_direct_where_supported(tmp_path, caplog):
 
 def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, caplog):
     """A tier whose writes all fail (e.g. a full disk) says so at once, then at
-    most once per interval with the counts since its previous line, and
-    flushes what is left at shutdown: never one line per block, and never
-    silent after the first report."""
+    most once per interval with the counts since its previous line (also when
+    the failures stop: polling reports what is pending), and flushes what is
+    left at shutdown: never one line per block, never silent after the first
+    report."""
     import errno
+    from types import SimpleNamespace
 
     from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
     from vllm.v1.kv_offload.tiering.fs import thread_pool
@@ -355,10 +357,12 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(thread_pool, "FAILURE_REPORT_INTERVAL_S", 1.0)
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(
+        thread_pool, "time", SimpleNamespace(monotonic=lambda: clock.now)
+    )
     monkeypatch.setattr(fs_manager, "store_block", disk_full)
-    rows = np.zeros((8, 4096), dtype=np.uint8)
-    tier = _make_tier(str(tmp_path), rows)
+    tier = _make_tier(str(tmp_path), np.zeros((8, 4096), dtype=np.uint8))
 
     def store_jobs(first_job_id: int, n: int) -> None:
         for job_id in range(first_job_id, first_job_id + n):
@@ -368,28 +372,25 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
         assert len(results) == n and not any(r.success for r in results)
 
     def reports() -> list[str]:
-        return [
-            r.getMessage()
-            for r in caplog.records
-            if "block I/O failed" in r.getMessage()
-        ]
+        return [r.getMessage() for r in caplog.records if "failed in" in r.getMessage()]
 
-    with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+    with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
         store_jobs(0, 1)
         assert len(reports()) == 1
         store_jobs(1, 3)  # within the interval: counted, not logged
+        clock.now += thread_pool.FAILURE_REPORT_INTERVAL_S - 1
+        list(tier.get_finished())
         assert len(reports()) == 1
-        time.sleep(1.0)
-        store_jobs(4, 1)  # the interval has passed: one line for 4 jobs
-        tier.submit_store(make_job(5, [key(10)], [0]))
-        drain(tier)
-        tier.shutdown()  # flushes the last job
+        clock.now += 1  # the interval has passed: polling reports them
+        list(tier.get_finished())
+        assert len(reports()) == 2
+        store_jobs(4, 1)  # within the new interval: left for shutdown
+        tier.shutdown()
+    prefix = f"fs_python tier at {tmp_path}: "
     error = "[Errno 28] No space left on device"
     assert reports() == [
-        "FileSystemTierManagerPython: block I/O failed for 2 of 2 blocks in 1 "
-        f"job(s) since the previous report (last error: {error})",
-        "FileSystemTierManagerPython: block I/O failed for 8 of 8 blocks in 4 "
-        f"job(s) since the previous report (last error: {error})",
-        "FileSystemTierManagerPython: block I/O failed for 1 of 1 blocks in 1 "
-        f"job(s) since the previous report (last error: {error})",
+        prefix + f"{n} of {n} block writes and 0 of 0 block reads failed in {j} "
+        "job(s) since the previous report; failed writes are not stored and "
+        f"failed reads are not served (recomputed instead). Last error: {error}"
+        for n, j in [(2, 1), (6, 3), (2, 1)]
     ]

@@ -982,6 +982,7 @@ def test_connector_scheduler_cold_restart_hits_every_group(
         OffloadingConnectorScheduler,
         SchedulerOffloadConfig,
     )
+
     root_dir = str(tmp_path / "fs")
     vllm_config, kv_cache_config = make_configs(
         model_config, layout, root_dir, 64, {"blocks_per_chunk": blocks_per_chunk}
@@ -1021,7 +1022,9 @@ def test_connector_scheduler_cold_restart_hits_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("layout", ["gemma3", "gemma4", "qwen3_5", "deepseek_v4"])
+@pytest.mark.parametrize(
+    "layout", ["llama", "gemma3", "gemma4", "qwen3_5", "deepseek_v4"]
+)
 @pytest.mark.parametrize("num_requests", [1, 3])
 def test_promotion_never_evicts_blocks_reported_ready(
     model_config, tmp_path, sha256_block_hashes, layout, num_requests
@@ -1038,6 +1041,7 @@ def test_promotion_never_evicts_blocks_reported_ready(
         OffloadingConnectorScheduler,
         SchedulerOffloadConfig,
     )
+
     root_dir = str(tmp_path / "fs")
     vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 64)
     spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
@@ -1113,6 +1117,7 @@ def test_persistent_tier_warns_when_block_hashes_are_not_reproducible(
     "extra_config,match",
     [
         ({"store_threshold": 2}, "store_threshold"),
+        ({"eviction_policy": "lfu"}, "'eviction_policy'.*'lru' or 'arc'"),
         (
             {
                 "secondary_tiers": [
@@ -1123,7 +1128,7 @@ def test_persistent_tier_warns_when_block_hashes_are_not_reproducible(
             "no_such_tier",
         ),
     ],
-    ids=["unsupported_store_threshold", "unknown_tier_type"],
+    ids=["unsupported_store_threshold", "unknown_eviction_policy", "unknown_tier_type"],
 )
 def test_failed_get_manager_leaks_nothing(model_config, tmp_path, extra_config, match):
     """A configuration error is raised without leaving the CPU region in

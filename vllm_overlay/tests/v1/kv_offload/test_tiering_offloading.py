@@ -509,6 +509,7 @@ class TestResetCache:
         list(manager.take_events())
         for key in in_flight:
             assert manager.lookup(key, _CTX) is False
+        list(manager.take_events())  # the workers' flush of those copies has run
         # the whole primary tier can be used again
         self._store(manager, rows, to_keys(range(10, 14)), fill=2)
 
@@ -543,6 +544,23 @@ class TestResetCache:
         # their slots are free again
         reused = self._store(manager, rows, to_keys(range(30, 33)), fill=4)
         assert sorted(reused) == sorted(busy_slots)
+
+    def test_gpu_copies_in_flight_keep_their_slots_until_flushed(self):
+        """A GPU->CPU copy the scheduler discards at reset may still be
+        written by the workers until the flush of the next step has run: its
+        slot is not handed out again (e.g. to a promotion) before that."""
+        manager, tier, rows = self._setup(num_blocks=2)
+        out = manager.prepare_store(to_keys([0]), _CTX)  # never completed
+        assert out is not None
+        busy = list(out.store_spec.block_ids)
+        self._reset_without_blocking(manager)
+        (slot,) = self._store(manager, rows, to_keys([5]), fill=1)
+        assert slot not in busy  # (its cascade to the tier stays in flight)
+        list(manager.take_events())  # the step that carries the flush
+        assert manager.prepare_store(to_keys([6]), _CTX) is None
+        list(manager.take_events())  # the flush has run
+        (reused,) = self._store(manager, rows, to_keys([6]), fill=2)
+        assert [reused] == busy
 
 
 if __name__ == "__main__":

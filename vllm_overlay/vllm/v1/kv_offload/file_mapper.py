@@ -9,6 +9,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
 )
 from vllm.v1.kv_offload.base import (
     OffloadingSpec,
@@ -28,7 +29,9 @@ BLOCK_LAYOUT_VERSION = 1
 
 def describe_block_layout(spec: KVCacheSpec) -> dict:
     """The fields that determine how a KV cache group's block is laid out in
-    bytes: its kind, bytes per block (padding included), dtype(s) and shape.
+    bytes: its kind, bytes per block (padding included), dtype(s), shape and
+    quantization (kv_quant_mode; MLA: cache_dtype_str, model version,
+    compression).
 
     Explicit fields rather than the spec's repr(), so that a field a later
     release adds to the spec dataclasses (or one that does not change the
@@ -47,13 +50,21 @@ def describe_block_layout(spec: KVCacheSpec) -> dict:
         layout["dtype"] = str(spec.dtype).removeprefix("torch.")
         layout["num_kv_heads"] = spec.num_kv_heads
         layout["head_size"] = spec.head_size
+        layout["head_size_v"] = getattr(spec, "head_size_v", spec.head_size)
+        layout["kv_quant_mode"] = spec.kv_quant_mode.name
+        if getattr(spec, "tq_slot_size", 0):
+            layout["tq_slot_size"] = spec.tq_slot_size
+        if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            layout["cache_dtype_str"] = spec.cache_dtype_str
+            layout["model_version"] = spec.model_version
+            layout["compress_ratio"] = spec.compress_ratio
     return layout
 
 
 def _block_kind(spec: KVCacheSpec) -> str:
     if isinstance(spec, MambaSpec):
         return "mamba"
-    if isinstance(spec, MLAAttentionSpec):
+    if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         return "mla_attention"
     if isinstance(spec, AttentionSpec):
         return "attention"  # full, sliding window, chunked local: same bytes

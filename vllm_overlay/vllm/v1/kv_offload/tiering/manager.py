@@ -18,10 +18,11 @@ Key Design Principles:
    "data is being promoted, try later"
 5. ref_cnt as eviction protection — primary.prepare_read() increments ref_cnt,
    protecting blocks from eviction until complete_read() is called
-6. A ready block stays until the step ends — lookup() pins every block it
-   reports ready (ref_cnt) until take_events(), so no promotion in the same
-   engine step evicts it (e.g. a request's block of another KV cache group);
-   a promotion that finds no evictable block is a miss, not a retry
+6. A ready block stays while the step looks up — lookup() pins every block
+   it reports ready (ref_cnt) until the step's stores (prepare_store()) or
+   its end (take_events()), so no promotion in the same step evicts it (e.g.
+   a request's block of another KV cache group); a promotion that finds no
+   evictable block is a miss, not a retry
 7. reset_cache() never waits — secondary-tier transfers in flight at a
    reset keep their primary slots out of reuse until they finish, and their
    results are then discarded; a stuck tier cannot hang the engine
@@ -33,6 +34,7 @@ Key Design Principles:
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -47,7 +49,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.policies.base import BlockStatus
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import (
     JobId,
@@ -56,6 +60,13 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 logger = init_logger(__name__)
+
+# GPU<->CPU copies in flight at a reset are flushed by the workers before the
+# transfers of their next step (OffloadingConnectorScheduler.reset_cache()
+# sends the flush with its next metadata), so they are done when that step
+# ends; two steps also cover async scheduling's one-step lag. Upstream holds
+# promotions until an explicit on_reset_flushed() hook that 0.22.1 lacks.
+_RESET_FLUSH_STEPS = 2
 
 
 @dataclass
@@ -113,6 +124,18 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
             self._free_list = [
                 b for b in range(self._num_blocks - 1, -1, -1) if b not in in_use
             ]
+
+    def busy_slots(self) -> list[int]:
+        """Slots of blocks being written (ref_cnt -1) or read (ref_cnt > 0)."""
+        policy = self._policy
+        if isinstance(policy, ARCCachePolicy):
+            blocks: Iterable[BlockStatus] = chain(
+                policy.t1.values(), policy.t2.values()
+            )
+        else:
+            assert isinstance(policy, LRUCachePolicy)
+            blocks = policy.blocks.values()
+        return [block.block_id for block in blocks if block.ref_cnt != 0]
 
     def release_slots(self, block_ids: Iterable[int]) -> None:
         """Hand back slots kept out of reuse by reset_cache()."""
@@ -198,9 +221,13 @@ class TieringOffloadingManager(OffloadingManager):
         # back (once no such transfer uses them) when they finish.
         self._orphaned_jobs: dict[JobId, JobMetadata] = {}
         self._orphaned_slots: Counter[int] = Counter()
+        # Slots of GPU<->CPU copies in flight at a reset: held for
+        # _RESET_FLUSH_STEPS engine steps, as [steps left, slots].
+        self._flushing_slots: list[tuple[int, list[int]]] = []
 
         # Blocks lookup() reported ready during this engine step, pinned
-        # (ref_cnt + 1) until take_events(): O(1) per hit, O(hits) per step.
+        # (ref_cnt + 1) until the step's first prepare_store() or
+        # take_events(): O(1) per hit, O(hits) per step.
         self._pinned_this_step: list[BlockStatus] = []
         # Set when a promotion found no evictable block in this step: later
         # promotions in the step are misses at once, instead of each one
@@ -322,16 +349,29 @@ class TieringOffloadingManager(OffloadingManager):
         return False
 
     def _release_orphaned_job(self, job_id: JobId) -> None:
-        """A transfer from before reset_cache() finished: hand back the slots
-        no other such transfer still uses."""
-        job_metadata = self._orphaned_jobs.pop(job_id)
+        """A transfer from before reset_cache() finished: hand back its slots."""
+        self._release_orphaned_slots(self._orphaned_jobs.pop(job_id).block_ids.tolist())
+
+    def _release_orphaned_slots(self, block_ids: list[int]) -> None:
+        """Hand back the slots no other pre-reset transfer still uses."""
         released = []
-        for block_id in job_metadata.block_ids.tolist():
+        for block_id in block_ids:
             self._orphaned_slots[block_id] -= 1
             if not self._orphaned_slots[block_id]:
                 del self._orphaned_slots[block_id]
                 released.append(block_id)
         self.primary_tier.release_slots(released)
+
+    def _count_flush_steps(self) -> None:
+        """An engine step ended: release the slots of pre-reset GPU<->CPU
+        copies once _RESET_FLUSH_STEPS steps have passed."""
+        still_flushing = []
+        for steps_left, block_ids in self._flushing_slots:
+            if steps_left > 1:
+                still_flushing.append((steps_left - 1, block_ids))
+            else:
+                self._release_orphaned_slots(block_ids)
+        self._flushing_slots = still_flushing
 
     def _pin_until_step_end(self, key: OffloadKey) -> None:
         """Keep a block lookup() reported ready until the engine step ends.
@@ -493,6 +533,11 @@ class TieringOffloadingManager(OffloadingManager):
             PrepareStoreOutput describing where to store blocks and what was
             evicted, or None if store cannot proceed.
         """
+        # Stores come after the step's lookups and loads (the connector builds
+        # them last): lookup()'s pins have done their job, and stores keep
+        # their priority over blocks of requests that were not scheduled.
+        self._unpin_step()
+
         # Step 1: Poll for completed async jobs FIRST
         # This decrements ref_cnt on primary blocks that have been
         # successfully transferred to secondary tiers.
@@ -590,6 +635,8 @@ class TieringOffloadingManager(OffloadingManager):
         # Reset the per-step gate so next step's first call does real work.
         self._processed_jobs_this_step = False
         self._unpin_step()
+        if self._flushing_slots:
+            self._count_flush_steps()
 
         if self.events is not None:
             yield from self.events
@@ -612,12 +659,20 @@ class TieringOffloadingManager(OffloadingManager):
         """
         # Promotions not yet submitted hold slots but no transfer: dropped.
         self._pending_load_submissions.clear()
+        self._unpin_step()
+        busy = set(self.primary_tier.busy_slots())
         for job_id, job_metadata in self._transfer_jobs.items():
             self._orphaned_jobs[job_id] = job_metadata
-            self._orphaned_slots.update(job_metadata.block_ids.tolist())
+            block_ids = job_metadata.block_ids.tolist()
+            self._orphaned_slots.update(block_ids)
+            busy.difference_update(block_ids)
         self._transfer_jobs.clear()
-        self._pinned_this_step.clear()
-        self._primary_full_this_step = False
+        # The rest are GPU<->CPU copies the scheduler discarded: the workers
+        # may still be copying them until the flush the connector sends
+        # with its next step has run.
+        if busy:
+            self._orphaned_slots.update(busy)
+            self._flushing_slots.append((_RESET_FLUSH_STEPS, list(busy)))
         self.primary_tier.reset_cache(in_use_slots=self._orphaned_slots.keys())
 
     def shutdown(self) -> None:

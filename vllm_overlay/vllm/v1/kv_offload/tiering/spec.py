@@ -90,11 +90,17 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             raise ValueError("secondary_tiers must be a list of tier configurations")
 
         # Checked here, before get_manager() allocates the CPU region and tiers.
-        if int(self.extra_config.get("store_threshold", 0)) >= 2:
+        store_threshold = self.extra_config.get("store_threshold", 0)
+        if str(store_threshold) not in ("0", "1"):
             raise ValueError(
                 "store_threshold is not supported for TieringOffloadingSpec, "
-                f"got store_threshold={self.extra_config['store_threshold']}; "
-                "remove it or set it to 0."
+                f"got store_threshold={store_threshold!r}; remove it from "
+                "kv_connector_extra_config, or set it to 0 or 1."
+            )
+        if self.eviction_policy not in ("lru", "arc"):
+            raise ValueError(
+                "'eviction_policy' in kv_connector_extra_config must be 'lru' "
+                f"or 'arc', got {self.eviction_policy!r}."
             )
 
         # Scheduler-side mmap (rank=None); kept for cleanup
@@ -133,42 +139,48 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             )
             self._scheduler_mmap = scheduler_mmap
 
-            # Create primary tier (CPU-based)
-            primary_tier = CPUPrimaryTierOffloadingManager(
-                num_blocks=self.num_blocks,
-                cache_policy=self.eviction_policy,  # type: ignore[arg-type]
-                enable_events=enable_events,
-                mmap_region=scheduler_mmap,
-            )
-
-            # Create secondary tiers
-            primary_kv_view = primary_tier.get_kv_memoryview()
+            primary_tier: CPUPrimaryTierOffloadingManager | None = None
             secondary_tiers: list[SecondaryTierManager] = []
-            for i, tier_config in enumerate(self.secondary_tier_configs):
-                try:
-                    tier = SecondaryTierFactory.create_secondary_tier(
-                        tier_config, primary_kv_view, self
-                    )
-                except Exception as e:
-                    logger.error(
-                        "Failed to create secondary tier from config %s: %s",
-                        tier_config,
-                        e,
-                    )
-                    # Release what was created: the tiers' threads, the
-                    # primary tier's view and the /dev/shm region.
-                    for created in secondary_tiers:
-                        created.shutdown()
-                    del primary_kv_view
-                    primary_tier.shutdown()
-                    self._scheduler_mmap = None
-                    raise
-                secondary_tiers.append(tier)
-                logger.info(
-                    "Created secondary tier #%d (%s)",
-                    i,
-                    tier.tier_type,
+            try:
+                # Create primary tier (CPU-based)
+                primary_tier = CPUPrimaryTierOffloadingManager(
+                    num_blocks=self.num_blocks,
+                    cache_policy=self.eviction_policy,  # type: ignore[arg-type]
+                    enable_events=enable_events,
+                    mmap_region=scheduler_mmap,
                 )
+
+                # Create secondary tiers
+                primary_kv_view = primary_tier.get_kv_memoryview()
+                for i, tier_config in enumerate(self.secondary_tier_configs):
+                    try:
+                        tier = SecondaryTierFactory.create_secondary_tier(
+                            tier_config, primary_kv_view, self
+                        )
+                    except Exception as e:
+                        logger.error(
+                            "Failed to create secondary tier from config %s: %s",
+                            tier_config,
+                            e,
+                        )
+                        raise
+                    secondary_tiers.append(tier)
+                    logger.info(
+                        "Created secondary tier #%d (%s)",
+                        i,
+                        tier.tier_type,
+                    )
+            except BaseException:
+                # Release what was created: the tiers' threads, the primary
+                # tier's view and the /dev/shm region.
+                for created in secondary_tiers:
+                    created.shutdown()
+                if primary_tier is not None:
+                    primary_tier.shutdown()
+                else:
+                    scheduler_mmap.cleanup()
+                self._scheduler_mmap = None
+                raise
 
             persistent = [t.tier_type for t in secondary_tiers if t.persistent]
             hash_algo = self.vllm_config.cache_config.prefix_caching_hash_algo

@@ -134,6 +134,7 @@ class FileSystemTierManager(SecondaryTierManager):
             n_read_threads,
             n_write_threads,
             thread_name_prefix="vllm_kv_py_fs",
+            label=f"{tier_type} tier at {root_dir}",
         )
 
     def lookup(

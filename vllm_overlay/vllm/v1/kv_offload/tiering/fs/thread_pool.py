@@ -28,48 +28,68 @@ class FailureReport:
     """Rate-limited, thread-safe report of failed block I/O.
 
     The first failure is logged at once; later ones at most once per
-    FAILURE_REPORT_INTERVAL_S, each line with the jobs and blocks that
-    failed since the previous line and the last error. Counts not yet
-    reported are logged by flush() (at shutdown).
+    FAILURE_REPORT_INTERVAL_S, each line with the block writes and reads that
+    failed since the previous line and the last error. Counts not reported
+    yet are logged by flush_if_due() (polled from the scheduler) once the
+    interval has passed, and by flush() at shutdown.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, label: str) -> None:
+        self._label = label
         self._lock = threading.Lock()
         self._jobs = 0
-        self._failed_blocks = 0
-        self._blocks = 0
+        self._failed = {"write": 0, "read": 0}
+        self._blocks = {"write": 0, "read": 0}
         self._last_error: str | None = None
         self._next_report = 0.0
 
-    def record(self, failed_blocks: int, blocks: int, error: str | None) -> None:
+    def record(self, op: str, failed: int, blocks: int, error: str | None) -> None:
+        """op is "write" (a store) or "read" (a load) of a job's blocks."""
         with self._lock:
             self._jobs += 1
-            self._failed_blocks += failed_blocks
-            self._blocks += blocks
+            self._failed[op] += failed
+            self._blocks[op] += blocks
             self._last_error = error
-            now = time.monotonic()
-            if now < self._next_report:
-                return
-            self._next_report = now + FAILURE_REPORT_INTERVAL_S
-            line = self._take_line()
-        logger.warning(*line)
+            line = self._take_line_if_due()
+        if line is not None:
+            logger.error(*line)
+
+    def flush_if_due(self) -> None:
+        with self._lock:
+            line = self._take_line_if_due() if self._jobs else None
+        if line is not None:
+            logger.error(*line)
 
     def flush(self) -> None:
         with self._lock:
             line = self._take_line() if self._jobs else None
         if line is not None:
-            logger.warning(*line)
+            logger.error(*line)
+
+    def _take_line_if_due(self) -> tuple | None:
+        now = time.monotonic()
+        if now < self._next_report:
+            return None
+        self._next_report = now + FAILURE_REPORT_INTERVAL_S
+        return self._take_line()
 
     def _take_line(self) -> tuple:
         line = (
-            "FileSystemTierManagerPython: block I/O failed for %d of %d blocks "
-            "in %d job(s) since the previous report (last error: %s)",
-            self._failed_blocks,
-            self._blocks,
+            "%s: %d of %d block writes and %d of %d block reads failed in %d "
+            "job(s) since the previous report; failed writes are not stored "
+            "and failed reads are not served (recomputed instead). Last "
+            "error: %s",
+            self._label,
+            self._failed["write"],
+            self._blocks["write"],
+            self._failed["read"],
+            self._blocks["read"],
             self._jobs,
             self._last_error,
         )
-        self._jobs = self._failed_blocks = self._blocks = 0
+        self._jobs = 0
+        self._failed = {"write": 0, "read": 0}
+        self._blocks = {"write": 0, "read": 0}
         return line
 
 
@@ -80,10 +100,20 @@ class JobState:
     Each task calls task_done(success) when it finishes.
     """
 
-    __slots__ = ("_job_id", "_n_tasks", "_completed", "failed", "first_error", "_lock")
+    __slots__ = (
+        "_job_id",
+        "_n_tasks",
+        "_completed",
+        "failed",
+        "first_error",
+        "op",
+        "_lock",
+    )
 
-    def __init__(self, job_id: JobId, n_tasks: int) -> None:
+    def __init__(self, job_id: JobId, n_tasks: int, op: str) -> None:
         self._job_id: JobId = job_id
+        # "read" (load) or "write" (store), for failure reports
+        self.op = op
         self._n_tasks = n_tasks
         self._completed = 0
         # indices (in submission order) of the tasks that failed
@@ -125,6 +155,7 @@ class DualQueueThreadPool:
         n_read_threads: int,
         n_write_threads: int,
         thread_name_prefix: str = "fs_secondary_tier",
+        label: str = "FileSystemTierManagerPython",
     ) -> None:
         self._load_q: deque = deque()
         self._store_q: deque = deque()
@@ -133,7 +164,7 @@ class DualQueueThreadPool:
         self._threads: list[threading.Thread] = []
         # (job_id, indices of the failed tasks)
         self._finished_q: deque[tuple[JobId, list[int]]] = deque()
-        self._failures = FailureReport()
+        self._failures = FailureReport(label)
 
         for i in range(n_read_threads):
             t = threading.Thread(
@@ -183,7 +214,7 @@ class DualQueueThreadPool:
         if n_tasks == 0:  # nothing to wait for: the job is done
             self._finished_q.append((job_id, []))
             return
-        state = JobState(job_id, n_tasks)
+        state = JobState(job_id, n_tasks, "read" if queue is self._load_q else "write")
         with self._condition:
             for task_idx, fn in enumerate(tasks):
                 queue.append((fn, state, task_idx))
@@ -191,6 +222,7 @@ class DualQueueThreadPool:
 
     def get_finished(self) -> list[tuple[JobId, list[int]]]:
         """Finished jobs, each with the indices of its failed tasks."""
+        self._failures.flush_if_due()
         jobs = []
         while self._finished_q:
             jobs.append(self._finished_q.popleft())
@@ -230,6 +262,6 @@ class DualQueueThreadPool:
             if job_finished:
                 if state.failed:
                     self._failures.record(
-                        len(state.failed), state.n_tasks, state.first_error
+                        state.op, len(state.failed), state.n_tasks, state.first_error
                     )
                 self._finished_q.append((state.job_id, state.failed))
