@@ -48,12 +48,20 @@ def hub_reachable() -> bool:
         return False
 
 
+def fs_tier_type() -> str:
+    """The disk tier's type name in the installed vLLM: `fs_python` (0.22.1), `fs` after
+    upstream #43600."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    return "fs" if "fs" in SecondaryTierFactory._registry else "fs_python"
+
+
 def kv(fs_root: Path, cpu_bytes: int) -> dict:
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": cpu_bytes,
                 "eviction_policy": "lru",
-                "secondary_tiers": [{"type": "fs_python", "root_dir": str(fs_root)}]}}
+                "secondary_tiers": [{"type": fs_tier_type(), "root_dir": str(fs_root)}]}}
 
 
 def run_hub_model(name: str, m: dict, out: Path) -> list[dict]:
