@@ -110,6 +110,10 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self.complete_write = self.complete_store
 
         self._kv_memoryview = mmap_region.create_kv_memoryview()
+        # LRU's touch of one key, without building a list per lookup
+        self._lru_blocks = (
+            self._policy.blocks if isinstance(self._policy, LRUCachePolicy) else None
+        )
 
     def reset_cache(self, in_use_slots: Collection[int] = ()) -> None:
         """Forget every block. Slots in in_use_slots (still read or written
@@ -141,13 +145,25 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         """Hand back slots kept out of reuse by reset_cache()."""
         self._free_list.extend(block_ids)
 
-    def pin(self, key: OffloadKey) -> BlockStatus:
-        """Protect a ready block from eviction (ref_cnt + 1; the caller
-        decrements it) and mark it most recently used."""
+    def lookup_and_pin(self, key: OffloadKey) -> BlockStatus | bool | None:
+        """lookup() that also pins a ready block: protects it from eviction
+        (ref_cnt + 1; the caller decrements it), marks it most recently used
+        and returns it. False if absent, None if being written.
+
+        One policy lookup per key: this runs for every key of every request
+        the scheduler looks up. (The primary tier has no store_threshold
+        tracker, which lookup() would also update.)
+        """
         block = self._policy.get(key)
-        assert block is not None and block.is_ready, f"Block {key!r} not ready"
+        if block is None:
+            return False
+        if not block.is_ready:
+            return None
         block.ref_cnt += 1
-        self._policy.touch((key,))
+        if self._lru_blocks is not None:
+            self._lru_blocks.move_to_end(key)
+        else:
+            self._policy.touch((key,))
         return block
 
     def get_kv_memoryview(self) -> memoryview:
@@ -327,12 +343,13 @@ class TieringOffloadingManager(OffloadingManager):
         """
         self._maybe_process_finished_jobs()
 
-        primary_hit = self.primary_tier.lookup(key, req_context)
-        if primary_hit is True:
-            self._pin_until_step_end(key)
-            return True
+        # A ready block stays pinned until the step's stores or its end.
+        primary_hit = self.primary_tier.lookup_and_pin(key)
         if primary_hit is None:
             return None
+        if primary_hit is not False:
+            self._pinned_this_step.append(primary_hit)
+            return True
 
         any_none = False
         for tier in self.secondary_tiers:
@@ -373,18 +390,14 @@ class TieringOffloadingManager(OffloadingManager):
                 self._release_orphaned_slots(block_ids)
         self._flushing_slots = still_flushing
 
-    def _pin_until_step_end(self, key: OffloadKey) -> None:
-        """Keep a block lookup() reported ready until the engine step ends.
-
-        The scheduler loads it later in the step (prepare_load()); until then
-        a promotion must not evict it, or the request would miss it on the
-        next step, promote it again and evict another of its blocks, forever.
-        The hit also counts as a use, so that eviction, which scans from the
-        least recently used end, does not walk over the pinned blocks.
-        """
-        self._pinned_this_step.append(self.primary_tier.pin(key))
-
     def _unpin_step(self) -> None:
+        """Release lookup()'s pins. They protect what lookup() reported ready
+        to a request until the scheduler loads it (prepare_load()) later in
+        the step: a promotion evicting it would make the request miss it on
+        the next step, promote it again and evict another of its blocks,
+        forever. The hit also counted as a use, so that eviction, which scans
+        from the least recently used end, does not walk over pinned blocks.
+        """
         for block in self._pinned_this_step:
             block.ref_cnt -= 1
         self._pinned_this_step.clear()
