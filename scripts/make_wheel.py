@@ -26,6 +26,7 @@ import io
 import json
 import re
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -115,7 +116,11 @@ def build(pin: dict, tgt: str) -> Path:
             record.append((name, record_hash(data), str(len(data))))
 
         left = dict(patched)
+        last = time.monotonic()
         for info in zin.infolist():
+            if time.monotonic() - last >= 15:  # a progress line at least every 15 s
+                print(f"    ... repacking: {time.monotonic() - t.t0:.0f} s", flush=True)
+                last = time.monotonic()
             if info.is_dir():
                 continue
             name = info.filename

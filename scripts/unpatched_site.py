@@ -3,15 +3,17 @@
 
 Put it first on PYTHONPATH to run anything against pristine upstream with the same .venv:
     PYTHONPATH=$(python3 scripts/unpatched_site.py) .venv/bin/python ...
-Files are hard links to the installed package, except those the series touches.
+Files are hard links to the installed package, except those the series touches: the files
+patches/ changes or adds, and those build/vllm's work tree changes (committed or not), each
+put back to the pristine tag's bytes (or removed where the tag has no such file).
 """
 
-import json
 import os
 import shutil
 
 from _lib import BUILD, VENV, UserError, checkout_dir, load_pin, run_main, say
-from sync_site import MANIFEST, pristine_blob, site_packages
+from check_sync import series_files
+from sync_site import changed_vllm_files, pristine_blob, site_packages
 
 UNPATCHED = BUILD / "unpatched-site"
 
@@ -19,15 +21,16 @@ UNPATCHED = BUILD / "unpatched-site"
 def build() -> str:
     pin = load_pin()
     repo = checkout_dir(pin["version"])
-    manifest = VENV / MANIFEST
-    if not manifest.exists():
-        raise UserError("the environment has no patched files recorded; run `make apply` first")
+    if not (VENV / "bin" / "python").exists() or not (repo / ".git").exists():
+        raise UserError("no .venv or no build/vllm; run `make apply` first")
+    touched = {p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/")}
+    touched |= set(changed_vllm_files(repo, pin["tag"]))
     shutil.rmtree(UNPATCHED, ignore_errors=True)
     UNPATCHED.mkdir(parents=True)
     src = site_packages() / "vllm"
     shutil.copytree(src, UNPATCHED / "vllm", copy_function=os.link,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for path in json.loads(manifest.read_text()):
+    for path in sorted(touched):
         dest = UNPATCHED / path
         dest.unlink(missing_ok=True)  # a hard link: never write through it
         blob = pristine_blob(repo, pin["tag"], path)

