@@ -394,3 +394,289 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
         f"failed reads are not served (recomputed instead). Last error: {error}"
         for n, j in [(2, 1), (6, 3), (2, 1)]
     ]
+
+
+# ---------------------------------------------------------------------------
+# Faults on disk: what is at a block's path is not what the tier wrote
+# ---------------------------------------------------------------------------
+
+
+def _aligned_rows(n_rows: int) -> np.ndarray:
+    """Page-aligned rows of one page each, so that O_DIRECT can be used."""
+    import mmap
+
+    region = mmap.mmap(-1, n_rows * mmap.PAGESIZE)
+    return np.frombuffer(region, dtype=np.uint8).reshape(n_rows, mmap.PAGESIZE)
+
+
+def _finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
+    """The results of the next n_jobs jobs to finish (no idle-time guess)."""
+    results: list = []
+    deadline = time.monotonic() + 60
+    while len(results) < n_jobs:
+        assert time.monotonic() < deadline, "the tier's jobs did not finish"
+        results.extend(tier.get_finished())
+        time.sleep(0.001)
+    return results
+
+
+@pytest.mark.parametrize(
+    "in_the_way", ["empty file", "short file", "long file", "empty directory"]
+)
+def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way):
+    """A store over a path that holds no complete block (an empty or short
+    file left by a crash or a full disk, a longer file, an empty directory)
+    writes the block instead of trusting that the path exists: a store never
+    reports success for bytes it did not write."""
+    rows = _aligned_rows(4)
+    n = rows.shape[1]
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if in_the_way == "empty directory":
+            os.mkdir(path)
+        else:
+            size = {"empty file": 0, "short file": n // 2, "long file": n + 1}
+            with open(path, "wb") as f:
+                f.write(b"\xff" * size[in_the_way])
+        rows[0] = np.arange(n) % 251
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert os.path.isfile(path) and os.path.getsize(path) == n
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        np.testing.assert_array_equal(rows[1], rows[0])
+    finally:
+        tier.shutdown()
+
+
+def test_store_fails_for_a_directory_it_cannot_replace(tmp_path):
+    """A non-empty directory where a block file should be cannot be replaced:
+    the store fails for that key only, instead of reporting it stored."""
+    rows = _aligned_rows(4)
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.join(path, "not_a_block"))
+        tier.submit_store(make_job(1, [key(0), key(1)], [0, 1]))
+        (result,) = _finish(tier)
+        assert not result.success
+        assert list(result.successful_keys) == [key(0)]
+        assert os.path.isdir(os.path.join(path, "not_a_block"))
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("size_delta", [-1, 1], ids=["shorter", "longer"])
+def test_load_fails_for_a_file_that_is_not_one_block(tmp_path, size_delta):
+    """A block file shorter or longer than a block (truncated, appended to,
+    another layout's) fails that key's load before anything is read into the
+    primary tier's slot, and is removed; the job's other keys load."""
+    rows = _aligned_rows(4)
+    n = rows.shape[1]
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        rows[:2] = np.random.default_rng(0).integers(0, 256, (2, n), dtype=np.uint8)
+        tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        with open(path, "r+b") as f:
+            f.truncate(n + size_delta)
+
+        rows[2:] = 0x5A
+        tier.submit_load(make_job(2, [key(1), key(2)], [2, 3], is_promotion=True))
+        (result,) = _finish(tier)
+        assert not result.success
+        assert list(result.successful_keys) == [key(2)]
+        assert (rows[2] == 0x5A).all(), "read into the slot of a failed load"
+        np.testing.assert_array_equal(rows[3], rows[1])
+        assert not os.path.exists(path)
+        assert tier.lookup(key(1), _CTX) is False
+    finally:
+        tier.shutdown()
+
+
+def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
+    """A path whose load fails and that cannot be removed (here an empty
+    directory) is answered as a miss from then on, instead of a hit whose
+    promotion fails every time; the failure names the path once; a store of
+    the key replaces it and makes it a hit again."""
+    rows = _aligned_rows(4)
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(path)
+        assert tier.lookup(key(1), _CTX) is True  # the path exists
+        with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier.submit_load(make_job(1, [key(1)], [0], is_promotion=True))
+            assert [r.success for r in _finish(tier)] == [False]
+        assert os.path.isdir(path)
+        assert tier.lookup(key(1), _CTX) is False
+        (report,) = [
+            r.getMessage() for r in caplog.records if "failed in" in r.getMessage()
+        ]
+        assert f"{path} could not be removed either" in report
+
+        rows[1] = 7
+        tier.submit_store(make_job(2, [key(1)], [1]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert tier.lookup(key(1), _CTX) is True
+        tier.submit_load(make_job(3, [key(1)], [2], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[2] == 7).all()
+    finally:
+        tier.shutdown()
+
+
+class _JobSync:
+    """Lets a test wait until the fs tier's submitted jobs have finished,
+    so each simulated engine step sees the results of the previous one."""
+
+    def __init__(self, tier: FileSystemTierManager) -> None:
+        self.tier = tier
+        self.outstanding = 0
+        self.loads: list[list[OffloadKey]] = []
+        submit_load, submit_store = tier.submit_load, tier.submit_store
+        get_finished = tier.get_finished
+
+        def counted_load(job):
+            self.outstanding += 1
+            self.loads.append(list(job.keys))
+            submit_load(job)
+
+        def counted_store(job):
+            self.outstanding += 1
+            submit_store(job)
+
+        def counted_finished():
+            results = list(get_finished())
+            self.outstanding -= len(results)
+            return results
+
+        tier.submit_load = counted_load  # type: ignore[method-assign]
+        tier.submit_store = counted_store  # type: ignore[method-assign]
+        tier.get_finished = counted_finished  # type: ignore[method-assign]
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.tier._pool._finished_q) < self.outstanding:
+            assert time.monotonic() < deadline, "the tier's jobs did not finish"
+            time.sleep(0.001)
+
+
+def test_request_settles_when_a_block_path_cannot_be_loaded(tmp_path, caplog):
+    """Through the real TieringOffloadingManager: after a restart (empty CPU
+    tier), a request's blocks of 2 KV cache groups are on disk, but one
+    block's path is a non-empty directory (it cannot be read, removed or
+    replaced). The request settles within a few engine steps, with a hit on
+    the good block and a miss on the bad one, instead of being deferred while
+    the bad block is promoted, fails and is promoted again, forever; the
+    path is logged once, not once per attempt."""
+    from vllm.v1.kv_offload.tiering.manager import (
+        CPUPrimaryTierOffloadingManager,
+        TieringOffloadingManager,
+    )
+
+    good, bad = make_offload_key(b"block-0", 0), make_offload_key(b"block-0", 1)
+    rows = _aligned_rows(4)
+    rows[0] = 3
+    writer = _make_tier(str(tmp_path), rows)
+    try:
+        writer.submit_store(make_job(1, [good], [0]))
+        assert [r.success for r in _finish(writer)] == [True]
+        bad_path = writer.file_mapper.get_file_name(bad)
+        os.makedirs(os.path.join(bad_path, "not_a_block"))
+    finally:
+        writer.shutdown()
+    rows[:] = 0
+
+    region = MagicMock()
+    region.create_kv_memoryview.return_value = memoryview(rows)
+    primary = CPUPrimaryTierOffloadingManager(num_blocks=4, mmap_region=region)
+    tier = _make_tier(str(tmp_path), rows)
+    sync = _JobSync(tier)
+    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+    caplog.set_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs")
+    try:
+        max_steps, settled = 60, None
+        for step in range(1, max_steps + 1):
+            # the connector looks the request's keys up in order, and defers
+            # the request while any of them is not ready yet (None)
+            results = []
+            for k in (good, bad):
+                results.append(manager.lookup(k, _CTX))
+                if results[-1] is not True:
+                    break
+            list(manager.take_events())
+            if None not in results:
+                settled = step
+                break
+            sync.wait()
+        bad_loads = sum(bad in keys for keys in sync.loads)
+        assert settled is not None, (
+            f"deferred for {max_steps} steps, {bad_loads} failed loads of the "
+            "unloadable block"
+        )
+        assert settled <= 4
+        assert results == [True, False]
+        assert bad_loads == 1
+        lines = [r for r in caplog.records if bad_path in r.getMessage()]
+        assert len(lines) == 1
+        assert os.path.isdir(os.path.join(bad_path, "not_a_block"))
+        # the good block reached the CPU tier with its bytes
+        spec = manager.prepare_load([good], _CTX)
+        assert (rows[int(spec.block_ids[0])] == 3).all()
+        manager.complete_load([good], _CTX)
+    finally:
+        manager.shutdown()
+
+
+def test_start_up_removes_only_the_temp_files_of_dead_writers(tmp_path):
+    """A writer killed between creating a block's temp file and renaming it
+    leaves the temp file behind for good. At start-up the tier removes the
+    temp files of writers of this host that are no longer running, and keeps
+    those of running writers (another engine sharing the directory), of
+    other hosts, and those that do not name their writer."""
+    import socket
+    import subprocess
+    import sys
+    import zlib
+
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+    other_host = f"{(int(host, 16) + 1) % 2**32:08x}"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        rows = _aligned_rows(2)
+        tier = _make_tier(str(tmp_path), rows)
+        tier.shutdown()
+        block = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.dirname(block), exist_ok=True)
+        files = {
+            "dead writer": f"{block}_h{host}_{dead.pid}_1.tmp",
+            "live writer": f"{block}_h{host}_{live.pid}_2.tmp",
+            "this process": f"{block}_h{host}_{os.getpid()}_3.tmp",
+            "other host": f"{block}_h{other_host}_{dead.pid}_4.tmp",
+            "no writer": f"{block}_5.tmp",
+        }
+        for path in files.values():
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)
+
+        tier = _make_tier(str(tmp_path), rows)
+        # the cleanup runs in the background (shutdown() would cancel it)
+        cleanup = getattr(tier, "_tmp_cleanup", None)
+        if cleanup is not None:
+            cleanup.join()
+        tier.shutdown()
+        left = {what for what, path in files.items() if os.path.exists(path)}
+        assert left == {"live writer", "this process", "other host", "no writer"}
+    finally:
+        live.kill()
+        live.wait()
+    # the tier names its own temp files so that they can be told apart
+    assert fs_io._get_tmp_suffix().startswith(f"_h{host}_{os.getpid()}_")

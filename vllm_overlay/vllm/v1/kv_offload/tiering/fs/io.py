@@ -7,7 +7,11 @@ import logging
 import mmap
 import os
 import random
+import re
+import socket
+import stat
 import threading
+import zlib
 
 logger = logging.getLogger(__name__)
 
@@ -17,14 +21,70 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
 
+# Temporary files are named <path>_h<host>_<pid>_<random>.tmp: the writer's
+# host (a hash of its name) and process id tell, at start-up, which ones a
+# dead writer left behind (see remove_stale_tmp_files()).
+_HOST_ID = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+_TMP_NAME = re.compile(r"_h([0-9a-f]{8})_(\d+)_\d+\.tmp$")
+
 
 def _get_tmp_suffix() -> str:
-    """Generate a thread-local unique suffix for temporary files."""
+    """Generate a thread-local unique suffix for temporary files, naming
+    this host and process (a forked child gets its own)."""
+    pid = os.getpid()
+    cached = getattr(_thread_local, "tmp_suffix", None)
+    if cached is None or cached[0] != pid:
+        suffix = f"_h{_HOST_ID}_{pid}_{random.randint(0, 2**63 - 1)}.tmp"
+        cached = _thread_local.tmp_suffix = (pid, suffix)
+    return cached[1]
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        return _thread_local.tmp_suffix
-    except AttributeError:
-        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
-        return _thread_local.tmp_suffix
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, as another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp_files(
+    directory: str, stop: threading.Event | None = None
+) -> tuple[int, int]:
+    """Remove the temporary files under *directory* that writers of this
+    host which are no longer running left behind (killed between creating
+    and renaming them). Files of running writers (several engines may share
+    a directory), of other hosts, and without a writer in their name (from
+    older versions) are kept: a file is only removed when its writer is
+    known to be dead. Stops early when *stop* is set.
+
+    Returns:
+        The number of files removed and their bytes.
+    """
+    removed = removed_bytes = 0
+    dead: dict[int, bool] = {}
+    for dirpath, _, filenames in os.walk(directory):
+        if stop is not None and stop.is_set():
+            break
+        for name in filenames:
+            match = _TMP_NAME.search(name)
+            if match is None or match.group(1) != _HOST_ID:
+                continue
+            pid = int(match.group(2))
+            if pid not in dead:
+                dead[pid] = not _pid_alive(pid)
+            if not dead[pid]:
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                size = os.lstat(path).st_size
+                os.remove(path)
+            except OSError:
+                continue  # removed by another engine, or not removable
+            removed += 1
+            removed_bytes += size
+    return removed, removed_bytes
 
 
 def _ensure_dirs(path: str) -> None:
@@ -80,14 +140,35 @@ def store_block(
     offset: int,
     block_size: int,
     direct_io: bool = True,
+    overwrite: bool = False,
 ) -> None:
     """
     Store callback: Writes to a temp file then atomically replaces the destination.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
+
+    An existing block file is kept (no redundant write) only if it is a
+    regular file of exactly block_size bytes; anything else at dest_path (a
+    short or long file, an empty directory) is replaced, and a store that
+    cannot replace it (a non-empty directory) fails: a store never reports
+    success for bytes it did not write. With overwrite (the file's load
+    failed), even a complete-looking file is replaced.
     """
-    # Check if block already exists to avoid redundant writes
-    if os.path.exists(dest_path):
-        return
+    try:
+        st = os.lstat(dest_path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        complete = stat.S_ISREG(st.st_mode) and st.st_size == block_size
+        if complete and not overwrite:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(dest_path)
+            except OSError as e:
+                raise OSError(
+                    f"cannot store block at {dest_path}: a directory is in the "
+                    f"way and cannot be removed ({e})"
+                ) from None
 
     tmp_path = dest_path + _get_tmp_suffix()
     # Ensure parent directories exist
@@ -133,21 +214,34 @@ def load_block(
     """
     Load callback: read one KV block from disk. Remove the file on failure.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
+    Only a regular file of exactly block_size bytes holds a block: anything
+    else (a shorter or longer file, a directory) fails the load.
     """
     fd: int | None = None
     view_slice = view.cast("B")[offset : offset + block_size]
     try:
         fd = os.open(source_path, os.O_RDONLY | (O_DIRECT if direct_io else 0))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{source_path} is not a regular file")
+        if st.st_size != block_size:
+            raise OSError(
+                f"{source_path} has {st.st_size} bytes, not a block of {block_size}"
+            )
         bytes_read = os.readv(fd, [view_slice])
         if bytes_read < block_size:
             raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
-    except Exception:
+    except Exception as exc:
         try:
             os.remove(source_path)
         except OSError as cleanup_exc:
-            logger.warning(
-                "Failed to remove unreadable file %s: %s", source_path, cleanup_exc
-            )
+            # Reported with the load's error (rate-limited by the thread
+            # pool), not logged here: the tier answers the key as a miss
+            # from now on, so this happens once per key, not per retry.
+            raise OSError(
+                f"{exc}; {source_path} could not be removed either "
+                f"({cleanup_exc}): a miss until stored again"
+            ) from exc
         raise
     finally:
         if fd is not None:

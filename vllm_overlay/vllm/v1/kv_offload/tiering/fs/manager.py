@@ -23,6 +23,7 @@ File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
 import functools
 import json
 import os
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.kv_offload.tiering.fs.io import (
     load_block,
     probe_direct_io,
+    remove_stale_tmp_files,
     store_block,
 )
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
@@ -129,6 +131,14 @@ class FileSystemTierManager(SecondaryTierManager):
 
         # keys of the in-flight jobs, to report which ones failed
         self._job_keys: dict[JobId, list[OffloadKey]] = {}
+        # Keys whose load failed and whose file could not be removed (a
+        # directory, a file on a read-only or immutable mount): answered as
+        # misses, so that the scheduler does not promote them again and
+        # again, until a store of the key (which replaces the file) succeeds.
+        self._unloadable: set[OffloadKey] = set()
+        # store jobs: the keys they store over such a file
+        self._rewrites: dict[JobId, list[OffloadKey]] = {}
+        self._load_jobs: set[JobId] = set()
 
         self._pool = DualQueueThreadPool(
             n_read_threads,
@@ -137,12 +147,53 @@ class FileSystemTierManager(SecondaryTierManager):
             label=f"{tier_type} tier at {root_dir}",
         )
 
+        # Temporary files of writers killed mid-store are never renamed:
+        # remove them in the background (a walk of this rank's block
+        # directory, and of the config's for the O_DIRECT probe's file).
+        block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        self._stop_tmp_cleanup = threading.Event()
+        self._tmp_cleanup = threading.Thread(
+            target=self._remove_stale_tmp_files,
+            args=((os.path.dirname(config_path), block_dir), root_dir),
+            name="vllm_kv_py_fs_tmp_cleanup",
+            daemon=True,
+        )
+        self._tmp_cleanup.start()
+
+    def _remove_stale_tmp_files(
+        self, directories: tuple[str, ...], root_dir: str
+    ) -> None:
+        removed = removed_bytes = 0
+        try:
+            for directory in directories:
+                n, n_bytes = remove_stale_tmp_files(directory, self._stop_tmp_cleanup)
+                removed += n
+                removed_bytes += n_bytes
+        except Exception as e:
+            logger.warning(
+                "fs_python tier at %s: could not remove stale temporary files: %s",
+                root_dir,
+                e,
+            )
+            return
+        if removed:
+            logger.info(
+                "fs_python tier at %s: removed %d temporary file(s) (%d bytes) "
+                "left by writers that are no longer running",
+                root_dir,
+                removed,
+                removed_bytes,
+            )
+
     def lookup(
         self, key: OffloadKey, req_context: ReqContext | None = None
     ) -> bool | None:
+        if key in self._unloadable:
+            return False
         return os.path.exists(self.file_mapper.get_file_name(key))
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
+        unloadable = self._unloadable
         tasks = (
             functools.partial(
                 store_block,
@@ -151,10 +202,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 int(bid) * self._block_size,
                 self._block_size,
                 self._direct_io,
+                key in unloadable,
             )
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
         )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
+        if unloadable:
+            rewrites = [k for k in job_metadata.keys if k in unloadable]
+            if rewrites:
+                self._rewrites[job_metadata.job_id] = rewrites
         self._pool.enqueue_store(job_metadata.job_id, len(job_metadata.keys), tasks)
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
@@ -170,6 +226,7 @@ class FileSystemTierManager(SecondaryTierManager):
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
         )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
+        self._load_jobs.add(job_metadata.job_id)
         self._pool.enqueue_load(job_metadata.job_id, len(job_metadata.keys), tasks)
 
     def get_finished(self) -> Iterable[JobResult]:
@@ -179,11 +236,26 @@ class FileSystemTierManager(SecondaryTierManager):
         results = []
         for job_id, failed in self._pool.get_finished():
             keys = self._job_keys.pop(job_id)
+            is_load = job_id in self._load_jobs
+            self._load_jobs.discard(job_id)
+            rewrites = self._rewrites.pop(job_id, None)
+            if rewrites:
+                # a store that replaced an unloadable file: loadable again
+                failed_keys = {keys[i] for i in failed}
+                self._unloadable.difference_update(
+                    k for k in rewrites if k not in failed_keys
+                )
             if not failed:
                 results.append(JobResult(job_id=job_id, success=True))
                 continue
             failed_idx = set(failed)
             successful = [k for i, k in enumerate(keys) if i not in failed_idx]
+            if is_load:
+                # A failed load removes the file; one still there cannot be
+                # loaded or removed, and would be promoted forever.
+                for i in failed_idx:
+                    if os.path.lexists(self.file_mapper.get_file_name(keys[i])):
+                        self._unloadable.add(keys[i])
             results.append(
                 JobResult(job_id=job_id, success=False, successful_keys=successful)
             )
@@ -196,4 +268,6 @@ class FileSystemTierManager(SecondaryTierManager):
         Shuts down the thread pool, clearing pending tasks and waiting for
         active threads to complete.
         """
+        self._stop_tmp_cleanup.set()
+        self._tmp_cleanup.join()
         self._pool.shutdown(wait=True)
