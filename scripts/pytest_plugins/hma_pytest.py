@@ -4,8 +4,12 @@
    vllm/ file of vllm_overlay/ must be byte-identical to the module Python imports.
    (HMA_UNPATCHED=1, set by `make test-unpatched`, expects pristine instead.)
 2. Tests that cannot run on this machine are skipped with a visible reason, never dropped.
+3. CPU offloading regions (/dev/shm/vllm_offload_*.mmap, tens of MB each, in RAM) that the
+   session's tests leave behind are removed at the end, with a count: pristine vLLM leaks one
+   whenever it refuses a model after creating the region, and 100+ such tests would fill RAM.
 """
 
+import glob
 import importlib.util
 import os
 from pathlib import Path
@@ -23,7 +27,12 @@ def _module_file(rel: Path) -> Path | None:
     return Path(spec.origin) if spec and spec.origin else None
 
 
+SHM_REGIONS = "/dev/shm/vllm_offload_*.mmap"
+_regions_before: set[str] = set()
+
+
 def pytest_sessionstart(session):
+    _regions_before.update(glob.glob(SHM_REGIONS))
     unpatched = os.environ.get("HMA_UNPATCHED") == "1"
     spec_file = _module_file(Path("vllm/v1/kv_offload/tiering/spec.py"))
     has_assert = ASSERTION in spec_file.read_text()
@@ -66,3 +75,17 @@ def pytest_collection_modifyitems(config, items):
         for prefix, (cond, reason) in NOT_RUNNABLE.items():
             if item.nodeid.startswith(prefix) and cond():
                 item.add_marker(pytest.mark.skip(reason=f"cannot run here: {reason}"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    leaked = [p for p in glob.glob(SHM_REGIONS) if p not in _regions_before]
+    size = 0
+    for path in leaked:
+        try:
+            size += os.path.getsize(path)
+            os.remove(path)
+        except OSError:
+            pass
+    if leaked:
+        print(f"\nremoved {len(leaked)} CPU offloading region(s) the tests left in /dev/shm "
+              f"({size / 2**20:.0f} MiB)")

@@ -189,16 +189,23 @@ class HybridRunner:
 
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK_SIZE,
-            log_stats=False,
-        )
+        self._shm = f"/dev/shm/vllm_offload_{self.vllm_config.instance_id}.mmap"
+        try:
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=BLOCK_SIZE,
+                log_stats=False,
+            )
+        except BaseException:
+            # e.g. a vLLM that refuses HMA models after creating the CPU
+            # region: do not leave it in /dev/shm
+            if os.path.exists(self._shm):
+                os.remove(self._shm)
+            raise
         self.connector_scheduler = self.scheduler.connector.connector_scheduler
         self.manager = self.connector_scheduler.manager
-        self._shm = f"/dev/shm/vllm_offload_{self.vllm_config.instance_id}.mmap"
 
         # record the keys of every prepare_load, in order
         self.prepared_loads: list[list] = []
