@@ -155,7 +155,7 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
 
 
 def private_site(site: Path) -> str:
-    """Hard-link copy of the unpatched site: other jobs may rebuild build/unpatched-site while
+    """Hard-link copy of the unpatched site: other jobs may rebuild build/unpatched-site-0.22.1 while
     our servers import from it (seen: ModuleNotFoundError: No module named 'vllm.tokenizers')."""
     dest = ROOT / "build" / "e2e-unpatched-site"
     for _ in range(3):
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-test", type=int, default=24, help="task documents (default 24)")
     ap.add_argument("--limit", type=int, default=None, help="lm_eval --limit")
     ap.add_argument("--unpatched", action="store_true",
-                    help="run against pristine vLLM 0.22.1 (build/unpatched-site)")
+                    help="run against pristine vLLM 0.22.1 (build/unpatched-site-0.22.1)")
     ap.add_argument("--arms", nargs="*", default=["noconn", "warm", "cold"],
                     choices=["noconn", "warm", "cold"], help="arms to run (debugging)")
     ap.add_argument("--compile", action="store_true", help="do not pass --enforce-eager")

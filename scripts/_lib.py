@@ -14,13 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PINS = ROOT / "pins"
 BUILD = ROOT / "build"
-CHECKOUT = BUILD / "vllm"
-OVERLAY = ROOT / "vllm_overlay"
-PATCHES = ROOT / "patches"
-VENV = ROOT / ".venv"
 TARGETS = ("cpu", "cuda")
-# The release patches/ is written against. Another VLLM_VERSION is a port in progress:
-# its checkout is build/vllm-<version>, and `make patches` does not overwrite patches/ with it.
+# One series per pinned release, each in its own folders, so no command of one track can
+# write over the other: patches/<version>/, vllm_overlay/<version>/, build/vllm[-<version>],
+# .venv[-<version>]. SERIES_VERSION is the default track (the operators' fork); the newest
+# pinned release is the upstream track (the PRs). VLLM_VERSION selects a track.
 SERIES_VERSION = "0.22.1"
 
 
@@ -50,10 +48,56 @@ def vllm_version() -> str:
     return os.environ.get("VLLM_VERSION") or SERIES_VERSION
 
 
+def series_dir(version: str) -> Path:
+    return ROOT / "patches" / version
+
+
+def overlay_dir(version: str) -> Path:
+    return ROOT / "vllm_overlay" / version
+
+
+def venv_dir(version: str) -> Path:
+    """.venv for the default track (the path operators and the e2e harness use), else
+    .venv-<version>: the environments of both tracks live side by side."""
+    return ROOT / ".venv" if version == SERIES_VERSION else ROOT / f".venv-{version}"
+
+
+def checkout_dir(version: str | None = None) -> Path:
+    """build/vllm for the default track; build/vllm-<version> for another release."""
+    version = version or vllm_version()
+    return BUILD / "vllm" if version == SERIES_VERSION else BUILD / f"vllm-{version}"
+
+
+def rel(path: Path) -> str:
+    """A project path as the user sees it (relative to the clone), others in full."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def series_versions() -> list[str]:
+    return sorted((p.name for p in (ROOT / "patches").iterdir() if p.is_dir()),
+                  key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+# The selected track's folders (VLLM_VERSION is read once, when a script starts).
+CHECKOUT = checkout_dir(SERIES_VERSION)
+PATCHES = series_dir(vllm_version())
+OVERLAY = overlay_dir(vllm_version())
+VENV = venv_dir(vllm_version())
+
+
 def target() -> str:
-    t = os.environ.get("TARGET") or "cpu"
+    """TARGET, else the pin's default_target (cpu where the release has a CPU build)."""
+    pin = load_pin()
+    t = os.environ.get("TARGET") or pin.get("default_target", "cpu")
     if t not in TARGETS:
         raise UserError(f"unknown TARGET={t!r}; valid targets: {', '.join(TARGETS)}")
+    if t not in pin["artifacts"]:
+        have = [k for k in TARGETS if k in pin["artifacts"]]
+        raise UserError(f"vLLM {pin['version']} has no {t} build pinned ({pin['pin_file'].name}); "
+                        f"use TARGET={'|'.join(have)}")
     return t
 
 
@@ -135,12 +179,6 @@ class Timer:
 
     def __exit__(self, *exc):
         self.elapsed = time.monotonic() - self.t0
-
-
-def checkout_dir(version: str | None = None) -> Path:
-    """build/vllm for the pinned release; build/vllm-<version> when VLLM_VERSION differs."""
-    version = version or vllm_version()
-    return CHECKOUT if version == SERIES_VERSION else BUILD / f"vllm-{version}"
 
 
 # pip repeats this for every requirement when a configured --find-links folder is missing;

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Materialize build/vllm: pristine sdist as a tagged commit, then our series, one commit per patch.
 
-Idempotent: when the checkout already holds exactly patches/ on the pristine tag, nothing changes.
+Idempotent: when the checkout already holds exactly the series (patches/<version>/) on the
+pristine tag, nothing changes. A release with no series of its own yet gets the default
+track's series: the starting point of a port.
 Never destroys local work: uncommitted edits or commits not exported to patches/ stop it
 (FORCE=1 discards them).
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from _lib import (
     PATCHES, ROOT, SERIES_VERSION, UserError, Timer, checkout_dir, git, git_env, load_pin,
-    run_main, say,
+    run_main, say, series_dir,
 )
 from fetch import fetch
 
@@ -24,7 +26,15 @@ STATE = "hma-series"  # .git/hma-series: sha256 of the applied series and the HE
 
 
 def series() -> list[Path]:
+    """The selected track's series (none yet for a release being ported)."""
     return sorted(PATCHES.glob("*.patch"))
+
+
+def series_to_apply() -> tuple[Path, list[Path]]:
+    """The track's series; for a release with none yet, the default track's: the start of
+    a port (it stops at the first patch upstream made unnecessary or incompatible)."""
+    folder = PATCHES if PATCHES.is_dir() else series_dir(SERIES_VERSION)
+    return folder, sorted(folder.glob("*.patch"))
 
 
 def series_digest(patches: list[Path]) -> str:
@@ -87,7 +97,7 @@ def check_no_local_work(repo: Path, tag: str) -> None:
     if head != applied_head:
         ahead = git("rev-list", "--count", f"{applied_head}..HEAD", cwd=repo, check=False) or "?"
         raise UserError(
-            f"{repo} has commits that are not in patches/ (HEAD {head[:12]}, {ahead} commit(s) "
+            f"{repo} has commits that are not in {PATCHES.relative_to(ROOT)}/ (HEAD {head[:12]}, {ahead} commit(s) "
             f"past the applied series). Keep them: `make patches`; or discard them: "
             "`make apply FORCE=1`"
         )
@@ -136,7 +146,7 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
         if not files:
             files = files_that_do_not_apply(repo, p) or ["(git named no file; see below)"]
         later = [q.name for q in patches[i + 1:]]
-        msg = (f"patches/{p.name} (patch {i + 1} of {len(patches)}) does not apply on {tag}; "
+        msg = (f"{p.relative_to(ROOT)} (patch {i + 1} of {len(patches)}) does not apply on {tag}; "
                f"conflicting file(s):\n" + "".join(f"  {f}\n" for f in files))
         if later:
             msg += f"not tried (they build on it): {len(later)} patch(es), {later[0]} to {later[-1]}\n"
@@ -145,7 +155,7 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
         msg += (f"The checkout {repo} was left at the pristine tag {tag}. To port the series: "
                 f"`git -C {repo} am -3 --keep-non-patch {p}`, resolve, `git am --continue`, then "
                 f"the next patches; export the port with "
-                f"`scripts/export_patches.py --out <dir>` (patches/ stays the {SERIES_VERSION} series)")
+                f"`make patches` (it writes {PATCHES.relative_to(ROOT)}/; no other series changes)")
         raise UserError(msg)
 
 
@@ -153,7 +163,7 @@ def main() -> None:
     pin = load_pin()
     repo = checkout_dir(pin["version"])
     tag = pin["tag"]
-    patches = series()
+    folder, patches = series_to_apply()
     digest = series_digest(patches)
     with Timer() as t:
         if not (repo / ".git").exists():
@@ -165,7 +175,10 @@ def main() -> None:
             say(f"{repo.relative_to(ROOT)}: {len(patches)} patch(es) on {tag}, already applied")
             return
         check_no_local_work(repo, tag)
-        say(f"applying {len(patches)} patch(es) from patches/ on {tag}")
+        if folder != PATCHES:
+            say(f"no series for vLLM {pin['version']} yet ({PATCHES.relative_to(ROOT)}/): "
+                f"trying the {SERIES_VERSION} series on it")
+        say(f"applying {len(patches)} patch(es) from {folder.relative_to(ROOT)}/ on {tag}")
         apply_series(repo, tag, patches)
         state.write_text(f"{digest} {git('rev-parse', 'HEAD', cwd=repo)}\n")
     say(f"{repo.relative_to(ROOT)}: {len(patches)} patch(es) applied on {tag} in {t.elapsed:.1f} s")

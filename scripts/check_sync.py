@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Fail when patches/ and vllm_overlay/ disagree, or .venv does not hold the patched files
-(pip's vllm must be the series' wheel, its RECORD true for every patched file).
+"""Fail when the selected track's series (patches/<version>/) and overlay
+(vllm_overlay/<version>/) disagree, or its venv does not hold the patched files (pip's vllm
+must be the series' wheel, its RECORD true for every patched file).
 
-patches/ is applied to the pristine tag in a scratch git index (the checkout's objects,
-not its work tree), and every file it yields must equal vllm_overlay/ byte for byte, with
-no extra file on either side.
+The series is applied to the pristine tag in a scratch git index (the checkout's objects,
+not its work tree), and every file it yields must equal the overlay byte for byte, with no
+extra file on either side.
 """
 
 import os
@@ -12,7 +13,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from _lib import OVERLAY, VENV, UserError, checkout_dir, load_pin, run_main, say
+from _lib import (
+    OVERLAY, PATCHES, ROOT, VENV, UserError, checkout_dir, load_pin, rel, run_main, say,
+)
 from apply import series
 from sync_site import installed_version, record_problems, site_packages
 
@@ -28,7 +31,7 @@ def series_files(repo: Path, tag: str) -> dict[str, bytes]:
         for p in series():
             r = git("apply", "--cached", str(p), text=True)
             if r.returncode != 0:
-                raise UserError(f"patches/{p.name} does not apply on {tag}: {r.stderr.strip()}")
+                raise UserError(f"{p.relative_to(ROOT)} does not apply on {tag}: {r.stderr.strip()}")
         names = git("diff", "--cached", "--name-only", "--no-renames", tag, text=True,
                     check=True).stdout.split()
         return {n: git("show", f":{n}", check=True).stdout for n in names}
@@ -39,21 +42,26 @@ def main() -> None:
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make apply` first")
+    if not PATCHES.is_dir():
+        raise UserError(f"vLLM {pin['version']} has no series ({PATCHES.relative_to(ROOT)}/); "
+                        "a port is exported there by `make patches`")
     expected = series_files(repo, pin["tag"])
+    series_name, overlay_name, venv_name = (rel(x) + "/" for x in (PATCHES, OVERLAY, VENV))
     actual = {str(p.relative_to(OVERLAY)): p.read_bytes()
               for p in OVERLAY.rglob("*") if p.is_file()}
-    problems = [f"{n}: in patches/, missing from vllm_overlay/" for n in expected.keys() - actual.keys()]
-    problems += [f"{n}: in vllm_overlay/, not in patches/" for n in actual.keys() - expected.keys()]
-    problems += [f"{n}: differs between patches/ and vllm_overlay/"
+    problems = [f"{n}: in {series_name}, missing from {overlay_name}" for n in expected.keys() - actual.keys()]
+    problems += [f"{n}: in {overlay_name}, not in {series_name}" for n in actual.keys() - expected.keys()]
+    problems += [f"{n}: differs between {series_name} and {overlay_name}"
                  for n in expected.keys() & actual.keys() if expected[n] != actual[n]]
     if problems:
         raise UserError(
-            "patches/ and vllm_overlay/ disagree:\n  " + "\n  ".join(sorted(problems))
-            + "\nEdit in build/vllm, commit, and run `make patches` (it regenerates both)"
+            f"{series_name} and {overlay_name} disagree:\n  " + "\n  ".join(sorted(problems))
+            + f"\nEdit in {repo.relative_to(ROOT)}, commit, and run `make patches` "
+            "(it regenerates both)"
         )
-    say(f"patches/ ({len(series())} patches) and vllm_overlay/ ({len(actual)} files) agree")
+    say(f"{series_name} ({len(series())} patches) and {overlay_name} ({len(actual)} files) agree")
     if not (VENV / "bin" / "python").exists():
-        say("no .venv yet: `make apply` builds it")
+        say(f"no {venv_name} yet: `make apply` builds it")
         return
     from make_env import installed
     from make_wheel import local_version
@@ -62,18 +70,18 @@ def main() -> None:
     want = local_version(pin, (installed() or {}).get("target") or target())
     have = installed_version()
     if have != want:
-        raise UserError(f".venv has vllm {have or '(none)'} installed, not {want} (the series "
-                        "of patches/); run `make patches` or `make apply` to install it")
+        raise UserError(f"{venv_name} has vllm {have or '(none)'} installed, not {want} (the series "
+                        f"of {series_name}); run `make patches` or `make apply` to install it")
     sp = site_packages()
     names = sorted(n for n in expected if n.startswith("vllm/"))
     stale = [n for n in names if not (sp / n).exists() or (sp / n).read_bytes() != expected[n]]
     if stale:
-        raise UserError(f".venv does not hold the patched {', '.join(stale)}; run `make apply`")
+        raise UserError(f"{venv_name} does not hold the patched {', '.join(stale)}; run `make apply`")
     bad = record_problems(VENV, names)
     if bad:
-        raise UserError(".venv's files disagree with pip's RECORD: " + "; ".join(bad)
+        raise UserError(f"{venv_name}'s files disagree with pip's RECORD: " + "; ".join(bad)
                         + "; run `make apply`")
-    say(f".venv holds the patched files (pip: vllm {want}, RECORD verified)")
+    say(f"{venv_name} holds the patched files (pip: vllm {want}, RECORD verified)")
 
 
 if __name__ == "__main__":

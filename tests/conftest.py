@@ -27,5 +27,5 @@ def project_copy(tmp_path) -> Path:
     build and break its own checkout without touching the real one."""
     dest = tmp_path / "project"
     shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
-        "build", ".venv", ".git", "__pycache__", ".pytest_cache"))
+        "build", ".venv*", ".git", "__pycache__", ".pytest_cache"))
     return dest

@@ -1,8 +1,9 @@
 """pytest plugin for vLLM's tests run by this project (scripts/run_tests.py loads it).
 
 1. The session aborts at start unless the imported vllm is the patched one: every
-   vllm/ file of vllm_overlay/ must be byte-identical to the module Python imports.
-   (HMA_UNPATCHED=1, set by `make test-unpatched`, expects pristine instead.)
+   vllm/ file of the track's overlay (HMA_OVERLAY, set by run_tests.py) must be
+   byte-identical to the module Python imports. (HMA_UNPATCHED=1, set by
+   `make test-unpatched`, expects pristine instead: not one of them may be imported.)
 2. Tests that cannot run on this machine are skipped with a visible reason, never dropped.
 3. CPU offloading regions (/dev/shm/vllm_offload_*.mmap, tens of MB each, in RAM) that the
    session's tests leave behind are removed at the end, with a count: pristine vLLM leaks one
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-OVERLAY = Path(__file__).resolve().parents[2] / "vllm_overlay"
+# 0.22.1 (the default track) refuses every HMA model with this line; the series removes it.
 ASSERTION = "assert len(self.gpu_block_size) == 1"
 
 
@@ -33,24 +34,27 @@ _regions_before: set[str] = set()
 
 def pytest_sessionstart(session):
     _regions_before.update(glob.glob(SHM_REGIONS))
+    overlay = Path(os.environ["HMA_OVERLAY"])
     unpatched = os.environ.get("HMA_UNPATCHED") == "1"
-    spec_file = _module_file(Path("vllm/v1/kv_offload/tiering/spec.py"))
-    has_assert = ASSERTION in spec_file.read_text()
+    patched, pristine = [], []
+    for src in sorted((overlay / "vllm").rglob("*.py")):
+        rel = src.relative_to(overlay)
+        imported = _module_file(rel)
+        same = imported is not None and imported.read_bytes() == src.read_bytes()
+        (patched if same else pristine).append(imported or rel)
     if unpatched:
-        if not has_assert:
-            pytest.exit(f"expected pristine vLLM, but {spec_file} lacks `{ASSERTION}`", 3)
+        if patched:
+            pytest.exit(f"expected pristine vLLM, but {patched[0]} is the patched file", 3)
         return
-    if has_assert:
+    spec_file = _module_file(Path("vllm/v1/kv_offload/tiering/spec.py"))
+    if ASSERTION in spec_file.read_text():
         pytest.exit(
             f"the imported vLLM is not patched: {spec_file} still has `{ASSERTION}`. "
             "Run `make apply`.", 3)
-    for src in sorted((OVERLAY / "vllm").rglob("*.py")):
-        rel = src.relative_to(OVERLAY)
-        imported = _module_file(rel)
-        if imported is None or imported.read_bytes() != src.read_bytes():
-            pytest.exit(
-                f"the imported vLLM is not the patched one: {imported or rel} differs from "
-                f"vllm_overlay/{rel}. Run `make apply`.", 3)
+    if pristine:
+        pytest.exit(
+            f"the imported vLLM is not the patched one: {pristine[0]} differs from "
+            f"{overlay}. Run `make apply`.", 3)
 
 
 def _cuda() -> bool:
