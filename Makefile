@@ -15,7 +15,7 @@ TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.v
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
 
 .DEFAULT_GOAL := help
-.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit test-soak
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -39,6 +39,9 @@ test: check ## all tests, offline (GROUP=name ARGS='-k x' for one group or test)
 
 test-unpatched: ## the regression tests against pristine vLLM: shows them failing (exits non-zero)
 	@$(S)/run_tests.py --unpatched $(GROUP) $(if $(ARGS),-- $(ARGS))
+
+test-soak: ## hypothesis soak of random tiering sequences (HMA_SOAK_EXAMPLES, default 5000; CI runs 30, derandomized)
+	@HMA_SOAK_EXAMPLES=$${HMA_SOAK_EXAMPLES:-5000} $(S)/run_tests.py tests/v1/kv_offload/test_tiering_hma.py::test_random_sequences_keep_the_invariants -- -s
 
 check: ## patches/<v>/ and vllm_overlay/<v>/ agree, and the track's venv holds the patched files
 	@$(S)/check_sync.py

@@ -10,7 +10,8 @@ The raw reference uses O_DIRECT when the row allows it (page-aligned rows), else
 as the tier does. Throughput counts the payload bytes (the KV data), not the padding.
 
 Sections: rows of several sizes (one KV cache group), then equal bytes per token stored as
-1, 2 or 4 KV cache groups (G files per chunk).
+1, 2 or 4 KV cache groups (G files per chunk), then the cost of the tier's integrity check
+(the tier with checksum "xxh3_64" vs the same tier with checksum "none", rounds alternated).
 """
 
 import argparse
@@ -47,7 +48,14 @@ class Point:
     """One measured configuration: a primary buffer of `rows` rows, a tier and raw files."""
 
     def __init__(
-        self, root: str, row_bytes: int, payload: int, chunks: int, groups: int, threads: int
+        self,
+        root: str,
+        row_bytes: int,
+        payload: int,
+        chunks: int,
+        groups: int,
+        threads: int,
+        tier_config: dict | None = None,
     ):
         self.row_bytes, self.payload, self.groups = row_bytes, payload, groups
         self.rows = chunks * groups
@@ -71,6 +79,7 @@ class Point:
             root_dir=tier_root,
             n_read_threads=threads // 2,
             n_write_threads=threads - threads // 2,
+            **(tier_config or {}),
         )
         self.direct = getattr(self.tier, "_direct_io", True)  # the patched tier decides
         # chunk c, group g -> row c * groups + g (a chunk's G keys are adjacent)
@@ -225,19 +234,74 @@ def fingerprint() -> str:
 
 
 def has_integrity_check() -> bool:
-    """Whether the fs tier's I/O verifies what it reads (a checksum or digest)."""
+    """Whether the fs tier checks what it loads (its `checksum` setting)."""
     import inspect
 
-    from vllm.v1.kv_offload.tiering.fs import io
+    return "checksum" in inspect.signature(FileSystemTierManager).parameters
 
-    source = inspect.getsource(io).lower()
-    return any(word in source for word in ("checksum", "crc", "digest", "xxhash"))
+
+def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: int) -> list:
+    """The tier with a checksum ("on") vs checksum "none" ("off"), same rows."""
+    try:
+        import xxhash  # noqa: F401
+
+        checksum = "xxh3_64"
+    except ImportError:
+        checksum = "crc32"
+    out = []
+    for label, row_bytes in (("64 KiB", 64 << 10), ("2 MiB", 2 << 20)):
+        n = max(1, min(max_files, max_bytes // row_bytes))
+        points = {
+            side: Point(
+                str(root / f"integrity-{side}-{row_bytes}"),
+                row_bytes,
+                row_bytes,
+                n,
+                1,
+                threads,
+                tier_config={"checksum": checksum if side == "on" else "none"},
+            )
+            for side in ("on", "off")
+        }
+        res = {side: {"store_s": [], "load_s": []} for side in points}
+        try:
+            for r in range(rounds):
+                for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                    t_store, t_load = points[side].round_trip("tier")
+                    res[side]["store_s"].append(t_store)
+                    res[side]["load_s"].append(t_load)
+        finally:
+            for p in points.values():
+                p.close()
+        used = points["on"].tier._checksum
+        out.append(
+            {
+                "label": label,
+                "row_bytes": row_bytes,
+                "blocks": n,
+                "checksum": used.describe() if used else None,
+                "tier_direct": points["on"].direct,
+                **res,
+            }
+        )
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(TMP / "disk.json"))
     ap.add_argument("--rounds", type=int, default=1 if QUICK else 3)
+    ap.add_argument(
+        "--integrity-rounds",
+        type=int,
+        default=3 if QUICK else 7,
+        help="rounds of the integrity on/off comparison (alternated)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="rows,hma,integrity",
+        help="comma-separated subset of rows,hma,integrity",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -266,13 +330,15 @@ def main() -> int:
         "rounds": args.rounds,
         "dir": str(root),
         "integrity_check": has_integrity_check(),
+        "integrity": [],
         "fingerprint": fingerprint(),
     }
     say(
         f"disk tier: fs_python vs raw file-per-block I/O in {root}, {args.threads} threads, "
         f"{args.rounds} rounds"
     )
-    for label, row_bytes, payload in rows:
+    sections = set(args.sections.split(","))
+    for label, row_bytes, payload in rows if "rows" in sections else []:
         n = max(1, min(max_files, max_bytes // row_bytes))
         point = Point(
             str(root / f"rows-{row_bytes}-{payload}"), row_bytes, payload, n, 1, args.threads
@@ -296,7 +362,7 @@ def main() -> int:
 
     chunk = 256 << 10  # bytes per chunk (all groups together), equal for every G
     chunks = (32 if QUICK else 128) << 20 >> 18
-    for groups in (1, 2, 4):
+    for groups in (1, 2, 4) if "hma" in sections else ():
         point = Point(
             str(root / f"hma-g{groups}"),
             chunk // groups,
@@ -324,6 +390,11 @@ def main() -> int:
             f"  HMA {groups} group(s): {chunks} chunks of {chunk >> 10} KiB done "
             f"({time.monotonic() - t_start:.0f} s)"
         )
+    if "integrity" in sections and results["integrity_check"]:
+        results["integrity"] = integrity_cost(
+            root, args.integrity_rounds, args.threads, max_bytes, max_files
+        )
+        say(f"  integrity on/off done ({time.monotonic() - t_start:.0f} s)")
     shutil.rmtree(root, ignore_errors=True)
     results["seconds"] = time.monotonic() - t_start
     with open(args.out, "w") as f:

@@ -257,7 +257,7 @@ def test_store_load_data_integrity(fs_tier):
         )
 
 
-def _make_tier(root_dir: str, rows: np.ndarray) -> FileSystemTierManager:
+def _make_tier(root_dir: str, rows: np.ndarray, **config) -> FileSystemTierManager:
     return FileSystemTierManager(
         offloading_spec=_MOCK_OFFLOADING_SPEC,
         primary_kv_view=memoryview(rows),
@@ -265,6 +265,7 @@ def _make_tier(root_dir: str, rows: np.ndarray) -> FileSystemTierManager:
         root_dir=root_dir,
         n_read_threads=2,
         n_write_threads=2,
+        **config,
     )
 
 
@@ -340,6 +341,62 @@ def test_aligned_rows_use_o_direct_where_supported(tmp_path, caplog):
     else:
         assert message.startswith(prefix + "buffered I/O")
         assert "O_DIRECT I/O is not supported here" in message
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
+def test_o_direct_is_probed_again_after_a_transient_failure(
+    tmp_path, monkeypatch, caplog, error
+):
+    """The O_DIRECT probe at start-up fails because the disk is full (or an
+    I/O error): the tier starts with buffered I/O, but once space is freed it
+    switches to O_DIRECT with the first store after the re-probe interval,
+    instead of using buffered I/O for the rest of the process."""
+    import errno
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    if not _o_direct_works(str(tmp_path)):
+        pytest.skip("no O_DIRECT support here")
+    real_write = os.write
+    failing = {"on": True}
+
+    def write(fd, data):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if failing["on"] and ".direct_io_probe" in path:
+            code = getattr(errno, error)
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(
+        fs_manager, "time", SimpleNamespace(monotonic=lambda: clock.now), raising=False
+    )
+    rows = _aligned_rows(4)
+    rows[:] = 5
+    with caplog.at_level("INFO", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = _make_tier(str(tmp_path), rows)
+    try:
+        (message,) = _io_mode_messages(caplog)
+        assert "using buffered I/O" in message
+        assert tier._direct_io is False
+        failing["on"] = False  # space was freed
+
+        # within the interval: still buffered, no probe on the store path
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert tier._direct_io is False
+        clock.now += 3600  # much later
+        tier.submit_store(make_job(2, [key(2), key(3)], [1, 2]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert tier._direct_io is True, "still buffered after space was freed"
+        assert "using O_DIRECT I/O" in _io_mode_messages(caplog)[-1]
+        tier.submit_load(make_job(3, [key(1), key(3)], [3, 0], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows == 5).all()
+    finally:
+        tier.shutdown()
 
 
 def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, caplog):
@@ -443,7 +500,8 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way):
         rows[0] = np.arange(n) % 251
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert os.path.isfile(path) and os.path.getsize(path) == n
+        trailer = tier._checksum.trailer_size if tier._checksum else 0
+        assert os.path.isfile(path) and os.path.getsize(path) == n + trailer
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         np.testing.assert_array_equal(rows[1], rows[0])
@@ -527,6 +585,126 @@ def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
         assert (rows[2] == 7).all()
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize(
+    "checksum",
+    [
+        "xxh3_64",
+        "crc32",
+        pytest.param(
+            "none",
+            marks=pytest.mark.xfail(
+                raises=AssertionError,
+                strict=True,
+                reason="without a checksum, a damaged file is served",
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "damage", ["random bytes", "one flipped bit", "zeroed half", "another key's block"]
+)
+def test_load_fails_for_a_block_file_overwritten_in_place(
+    tmp_path, damage, checksum, caplog
+):
+    """With a checksum, a block file overwritten with as many bytes as it had
+    (random bytes, a flipped bit, a zeroed half, another key's block file) is
+    not served as the key's block: its load fails (the key becomes a miss,
+    the file is removed) with one report naming the path, and the job's
+    other keys load."""
+    if checksum == "xxh3_64":
+        pytest.importorskip("xxhash")
+    rows = _aligned_rows(6)
+    n = rows.shape[1]
+    tier = _make_tier(str(tmp_path), rows, checksum=checksum)
+    try:
+        rng = np.random.default_rng(1)
+        rows[:3] = rng.integers(1, 256, (3, n), dtype=np.uint8)
+        tier.submit_store(make_job(1, [key(1), key(2), key(3)], [0, 1, 2]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        if damage == "random bytes":
+            data[:] = rng.bytes(len(data))
+        elif damage == "one flipped bit":
+            data[n // 3] ^= 0x10
+        elif damage == "zeroed half":
+            data[n // 2 : n] = bytes(n - n // 2)
+        else:
+            with open(tier.file_mapper.get_file_name(key(2)), "rb") as f:
+                data[:] = f.read()
+        with open(path, "r+b") as f:
+            assert f.write(data) == os.path.getsize(path)
+
+        with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier.submit_load(make_job(2, [key(1), key(3)], [3, 4], is_promotion=True))
+            (result,) = _finish(tier)
+        assert not result.success, "served a damaged block file as the key's block"
+        assert list(result.successful_keys) == [key(3)]
+        np.testing.assert_array_equal(rows[4], rows[2])
+        assert not os.path.exists(path)
+        assert tier.lookup(key(1), _CTX) is False
+        lines = [r.getMessage() for r in caplog.records if path in r.getMessage()]
+        assert len(lines) == 1 and "checksum mismatch" in lines[0]
+    finally:
+        tier.shutdown()
+
+
+def test_checksum_is_part_of_the_file_layout(tmp_path):
+    """Files with a checksum live apart from files without one (or with
+    another), so that no file is read in a format it was not written in;
+    without one (the default) the files stay where they were. An unknown
+    checksum is refused naming the setting."""
+    rows = _aligned_rows(2)
+    base_paths = {}
+    for config in ({}, {"checksum": "none"}, {"checksum": "crc32"}):
+        tier = _make_tier(str(tmp_path), rows, **config)
+        tier.shutdown()
+        base_paths[config.get("checksum", "default")] = tier.file_mapper.base_path
+    assert base_paths["default"] == base_paths["none"] != base_paths["crc32"]
+    with pytest.raises(ValueError, match="set 'checksum' to one of"):
+        _make_tier(str(tmp_path), rows, checksum="md5")
+
+
+def test_tier_recreates_its_config_when_its_root_is_removed(tmp_path, caplog):
+    """The tier's root directory removed while it runs (an operator cleaning
+    up, a tmpfs remounted): the next stores re-create the block directories
+    and also config.json, which says what the files are; it is not left
+    missing for the rest of the process."""
+    import json
+    import shutil
+
+    root = tmp_path / "root"
+    rows = _aligned_rows(4)
+    rows[:2] = 9
+    tier = _make_tier(str(root), rows)
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        with open(config_path) as f:
+            config = json.load(f)
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+
+        shutil.rmtree(root)
+        with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier.submit_store(make_job(2, [key(2), key(3)], [1, 1]))
+            assert [r.success for r in _finish(tier)] == [True]
+        assert os.path.isfile(tier.file_mapper.get_file_name(key(2)))
+        assert os.path.isfile(config_path), "config.json was not re-created"
+        with open(config_path) as f:
+            assert json.load(f) == config
+        (line,) = [
+            r.getMessage() for r in caplog.records if "re-created" in r.getMessage()
+        ]
+        assert config_path in line
+        tier.submit_load(make_job(3, [key(2)], [2], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[2] == 9).all()
+    finally:
+        tier.shutdown()
+    assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
 class _JobSync:

@@ -19,7 +19,9 @@ import logging
 import math
 import mmap
 import os
+import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -807,7 +809,7 @@ def test_failed_writes_and_reads_stay_contained(
     assert isinstance(manager, TieringOffloadingManager)
     try:
         with monkeypatch.context() as m:
-            _fail_io_on(m, "write", [_file_stem(bad_write)])
+            _fail_io_on(m, "writev", [_file_stem(bad_write)])
             store(manager, keys, ctx)  # waits for ref counts back to 0
         # the CPU copy is intact
         load(manager, keys, ctx)
@@ -1148,3 +1150,370 @@ def test_failed_get_manager_leaks_nothing(model_config, tmp_path, extra_config, 
     assert not os.path.exists(shm_path)
     time.sleep(0.1)
     assert set(threading.enumerate()) <= threads_before
+
+
+# ---------------------------------------------------------------------------
+# Randomized sequences (hypothesis): every operation of the scheduler and of
+# the disk, interleaved, with the invariants checked after each engine step
+# ---------------------------------------------------------------------------
+
+# HMA_SOAK_EXAMPLES=5000 runs a long randomized soak instead of the short,
+# derandomized run that CI gets.
+_SOAK_EXAMPLES = int(os.environ.get("HMA_SOAK_EXAMPLES", "0"))
+# layouts of 1, 2, 3 and 4 KV cache groups
+_RANDOM_LAYOUTS = ["llama", "gemma3", "gemma4", "qwen3_5"]
+_RANDOM_HASHES = 4  # block hashes per layout: requests are prefixes of them
+_RANDOM_CPU_BLOCKS = 8  # fewer than the keys of 4 groups: evictions happen
+# A request left alone settles within this many engine steps (a promotion
+# takes one step), and no CPU block stays in flight for longer.
+_SETTLE_STEPS = 3
+
+
+def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatch):
+    """Random interleavings of lookup, load (prepare/complete), store
+    (prepare/complete, failed GPU copies included), engine step ends,
+    reset_cache, disk files removed or overwritten behind the tier's back and
+    injected I/O errors of the fs tier's threads, over layouts of 1-4 KV cache
+    groups, through the real TieringOffloadingManager, CPU primary tier and
+    fs_python tier. After every engine step: every ref count is the number of
+    transfers holding the block (never negative, never leaked), no slot is
+    both used and free, every block in the CPU tier that is ready holds the
+    bytes stored for its key (checked on every load too), no block stays in
+    flight, no .tmp file is left once the tier's jobs finished; a request
+    left alone settles within a few steps."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        initialize,
+        precondition,
+        rule,
+        run_state_machine_as_test,
+    )
+
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    # injected I/O errors: the next n block reads or writes of the tier fail
+    faults = {"budget": 0}
+
+    def failing(io_fn):
+        def wrapper(*args, **kwargs):
+            if faults["budget"] > 0:
+                faults["budget"] -= 1
+                raise OSError(errno.EIO, "injected I/O error")
+            return io_fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(fs_manager, "store_block", failing(fs_manager.store_block))
+    monkeypatch.setattr(fs_manager, "load_block", failing(fs_manager.load_block))
+
+    root_dir = str(tmp_path / "fs")
+    tier_config = {
+        "type": "fs_python",
+        "root_dir": root_dir,
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+        # overwritten files must be caught: a ready block holds its bytes
+        "checksum": "crc32",
+    }
+    configs = {
+        layout: make_configs(
+            model_config,
+            layout,
+            root_dir,
+            _RANDOM_CPU_BLOCKS,
+            {"secondary_tiers": [tier_config]},
+        )
+        for layout in _RANDOM_LAYOUTS
+    }
+    counts = Counter()
+
+    class TieringMachine(RuleBasedStateMachine):
+        manager: TieringOffloadingManager | None = None
+
+        @initialize(layout=st.sampled_from(_RANDOM_LAYOUTS))
+        def start(self, layout: str) -> None:
+            counts["sequences"] += 1
+            faults["budget"] = 0
+            shutil.rmtree(root_dir, ignore_errors=True)
+            manager = TieringOffloadingSpec(*configs[layout]).get_manager()
+            assert isinstance(manager, TieringOffloadingManager)
+            self.manager = manager
+            (self.tier,) = manager.secondary_tiers
+            self.outstanding = 0  # fs tier jobs submitted, results not taken
+            submit_load, submit_store = self.tier.submit_load, self.tier.submit_store
+            get_finished = self.tier.get_finished
+
+            def counted(submit):
+                def wrapper(job):
+                    self.outstanding += 1
+                    submit(job)
+
+                return wrapper
+
+            def counted_finished():
+                results = list(get_finished())
+                self.outstanding -= len(results)
+                return results
+
+            self.tier.submit_load = counted(submit_load)
+            self.tier.submit_store = counted(submit_store)
+            self.tier.get_finished = counted_finished
+            self.groups = len(GPU_BLOCK_SIZES[layout])
+            self.rows = cpu_rows(manager)
+            self.hashes = [
+                f"{layout}-blk{b}".encode().ljust(32, b"\0")
+                for b in range(_RANDOM_HASHES)
+            ]
+            self.ready: dict[int, list[OffloadKey]] = {}  # lookups of the step
+            self.loads: list[tuple[list[OffloadKey], ReqContext]] = []
+            self.stores: list[tuple[list[OffloadKey], ReqContext, bool]] = []
+            self.in_flight: dict[OffloadKey, int] = {}  # key -> steps in flight
+
+        def keys(self, n: int) -> list[OffloadKey]:
+            """The keys of request n: its first n blocks, every group."""
+            return [
+                make_offload_key(h, g)
+                for h in self.hashes[:n]
+                for g in range(self.groups)
+            ]
+
+        def ctx(self, n: int) -> ReqContext:
+            return ReqContext(req_id=f"req{n}")
+
+        def lookup_request(self, n: int) -> bool:
+            """The connector's maximal prefix lookup; whether it deferred."""
+            assert self.manager is not None
+            hits, deferred = [], False
+            for key in self.keys(n):
+                result = self.manager.lookup(key, self.ctx(n))
+                if result is None:
+                    deferred = True
+                elif not result:
+                    break
+                else:
+                    hits.append(key)
+            if not deferred:
+                self.ready[n] = hits
+            counts["lookups deferred" if deferred else "lookups settled"] += 1
+            return deferred
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(
+            lookups=st.lists(
+                st.tuples(st.integers(1, _RANDOM_HASHES), st.booleans()), max_size=3
+            ),
+            stores=st.lists(
+                st.tuples(
+                    st.integers(1, _RANDOM_HASHES),
+                    st.sampled_from([True] * 7 + [False]),
+                ),
+                max_size=2,
+            ),
+        )
+        def engine_step(
+            self, lookups: list[tuple[int, bool]], stores: list[tuple[int, bool]]
+        ) -> None:
+            """One engine step as the connector drives it: requests looked up
+            (each loading what was reported ready, or not), then the step's
+            stores, then the step ends."""
+            counts["rules"] += 1
+            for n, load in lookups:
+                if not self.lookup_request(n) and load and self.ready.get(n):
+                    self.load(n)
+            for n, success in stores:
+                self.store(n, success)
+            self.finish_step()
+
+        def load(self, n: int) -> None:
+            """CPU->GPU load of what the lookup of request n reported ready."""
+            assert self.manager is not None
+            keys = self.ready.pop(n)
+            spec = self.manager.prepare_load(keys, self.ctx(n))
+            assert isinstance(spec, CPULoadStoreSpec)
+            for key, block_id in zip(keys, spec.block_ids):
+                np.testing.assert_array_equal(
+                    self.rows[block_id], block_bytes(key, self.rows.shape[1])
+                )
+            self.loads.append((keys, self.ctx(n)))
+            counts["blocks loaded"] += len(keys)
+
+        def store(self, n: int, success: bool) -> None:
+            """GPU->CPU store of request n's blocks; the copy finishes (or
+            fails) when the step ends."""
+            assert self.manager is not None
+            out = self.manager.prepare_store(self.keys(n), self.ctx(n))
+            if out is None or not out.keys_to_store:
+                return
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
+            for key, block_id in zip(out.keys_to_store, out.store_spec.block_ids):
+                self.rows[block_id] = (
+                    block_bytes(key, self.rows.shape[1]) if success else 0xEE
+                )
+            self.stores.append((list(out.keys_to_store), self.ctx(n), success))
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(n=st.integers(1, 4))
+        def inject_io_errors(self, n: int) -> None:
+            counts["rules"] += 1
+            faults["budget"] = n
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(data=st.data(), how=st.sampled_from(["remove", "overwrite", "root"]))
+        def damage_file(self, data, how: str) -> None:
+            """Remove a block file, overwrite it with another key's file, or
+            remove the tier's whole root, behind the tier's back (another
+            engine, an operator, a bad disk)."""
+            counts["rules"] += 1
+            if how == "root":
+                shutil.rmtree(root_dir, ignore_errors=True)
+                return
+            files = sorted(
+                os.path.join(d, f)
+                for d, _, fs in os.walk(root_dir)
+                for f in fs
+                if f.endswith(".bin")
+            )
+            if not files:
+                return
+            path = data.draw(st.sampled_from(files))
+            if how == "remove":
+                os.remove(path)
+                return
+            other = data.draw(st.sampled_from(files))
+            if other != path and os.path.getsize(other) == os.path.getsize(path):
+                with open(other, "rb") as f:
+                    content = f.read()
+                with open(path, "r+b") as f:
+                    f.write(content)
+
+        @precondition(lambda self: self.manager is not None)
+        @rule()
+        def reset(self) -> None:
+            """reset_cache(): the scheduler drops its in-flight GPU<->CPU
+            jobs (never completes them) and starts over."""
+            counts["rules"] += 1
+            assert self.manager is not None
+            self.manager.reset_cache()
+            self.loads.clear()
+            self.stores.clear()
+            self.ready.clear()
+            self.in_flight.clear()
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(n=st.integers(1, _RANDOM_HASHES))
+        def settle(self, n: int) -> None:
+            """Request n alone, step after step: it is not deferred for more
+            than _SETTLE_STEPS steps (e.g. by a block promoted, failed and
+            promoted again forever)."""
+            counts["rules"] += 1
+            self.finish_step()
+            for _ in range(_SETTLE_STEPS + 1):
+                if not self.lookup_request(n):
+                    break
+                self.finish_step()
+            else:
+                raise AssertionError(
+                    f"request {n} deferred for more than {_SETTLE_STEPS} steps"
+                )
+            self.finish_step()
+
+        def finish_step(self) -> None:
+            """The engine step ends: the GPU copies of the step finish, the
+            step's events are taken, the fs tier's jobs run to completion;
+            then the invariants are checked."""
+            counts["steps"] += 1
+            manager = self.manager
+            assert manager is not None
+            for keys, ctx in self.loads:
+                manager.complete_load(keys, ctx)
+            for keys, ctx, success in self.stores:
+                manager.complete_store(keys, ctx, success)
+            self.loads.clear()
+            self.stores.clear()
+            self.ready.clear()
+            list(manager.take_events())
+            deadline = time.monotonic() + _TIMEOUT_S
+            while len(self.tier._pool._finished_q) < self.outstanding:
+                assert time.monotonic() < deadline, "the fs tier's jobs did not finish"
+                time.sleep(0.001)
+            self.check()
+
+        def check(self) -> None:
+            manager = self.manager
+            assert manager is not None
+            primary = manager.primary_tier
+            blocks = dict(primary._policy.blocks)
+            # transfers holding each block: the cascades (stores) in flight
+            holders: Counter = Counter()
+            promoting = set()
+            for job in manager._transfer_jobs.values():
+                if job.is_promotion:
+                    promoting.update(job.keys)
+                else:
+                    holders.update(job.keys)
+            for key, block in blocks.items():
+                if key in promoting:
+                    assert block.ref_cnt == -1, (key, block.ref_cnt)
+                else:
+                    assert block.ref_cnt == holders[key], (
+                        f"ref_cnt {block.ref_cnt} of a block held by "
+                        f"{holders[key]} transfers"
+                    )
+                if block.ref_cnt == -1:
+                    self.in_flight[key] = self.in_flight.get(key, 0) + 1
+                    assert self.in_flight[key] <= _SETTLE_STEPS, "stuck in flight"
+                else:
+                    self.in_flight.pop(key, None)
+                    np.testing.assert_array_equal(
+                        self.rows[block.block_id],
+                        block_bytes(key, self.rows.shape[1]),
+                        err_msg="a ready block does not hold its key's bytes",
+                    )
+            used = [b.block_id for b in blocks.values()]
+            assert len(set(used)) == len(used), "a slot holds two blocks"
+            free = set(primary._free_list)
+            assert not free & set(used), "a used slot is also free"
+            assert not free & set(manager._orphaned_slots), "an orphaned slot is free"
+            files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+            tmp = [f for f in files if f.endswith(".tmp")]
+            assert not tmp, f"temporary files left: {tmp}"
+            if any(f.endswith(".bin") for f in files):
+                config = self.tier.file_mapper.get_config_file_path()
+                assert os.path.isfile(config), "blocks stored without config.json"
+
+        def teardown(self) -> None:
+            manager = self.manager
+            if manager is None:
+                return
+            try:
+                # quiescence: every slot is back, nothing is held
+                faults["budget"] = 0
+                for _ in range(3):
+                    self.finish_step()
+                primary = manager.primary_tier
+                assert not manager._transfer_jobs and not manager._orphaned_slots
+                assert all(b.ref_cnt == 0 for b in primary._policy.blocks.values())
+                assert (
+                    len(primary._policy.blocks) + primary._get_num_free_blocks()
+                    == _RANDOM_CPU_BLOCKS
+                ), "slots leaked"
+            finally:
+                del self.rows  # the primary tier's buffer is unmapped
+                manager.shutdown()
+
+    examples = _SOAK_EXAMPLES or 30
+    run_state_machine_as_test(
+        TieringMachine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=30,
+            derandomize=not _SOAK_EXAMPLES,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    print(f"hypothesis {hypothesis.__version__}: {dict(counts)}")

@@ -91,12 +91,16 @@ class FileMapper:
         kv_cache_groups: list[dict] | None = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
+        checksum: dict | None = None,
     ):
         """
         Initialize the file mapper. Each worker constructs its own, but
         `config.json` is shared across workers since rank lives outside the hash.
         When `parallel_agnostic=True`, tp/pp/pcp/dcp are forced to 1 and rank
         to 0 so multiple parallelism layouts collapse into the same folder.
+        A `checksum` (the fields of the checksum stored with each block)
+        gives the files their own folder, so that files without it (or with
+        another) are never read as if they had it.
         """
         if parallel_agnostic:
             tp_size = pp_size = pcp_size = dcp_size = 1
@@ -114,6 +118,8 @@ class FileMapper:
             "kv_cache_groups": kv_cache_groups or [],
             "inference_engine": inference_engine,
         }
+        if checksum is not None:
+            self.fields["checksum"] = checksum
         self.base_path: str = self._compute_base_path(root_dir, self.fields)
 
     @classmethod
@@ -123,6 +129,7 @@ class FileMapper:
         offloading_spec: OffloadingSpec,
         gpu_blocks_per_file: int = 1,
         parallel_agnostic: bool = False,
+        checksum: dict | None = None,
     ) -> "FileMapper":
         """Build a FileMapper from an OffloadingSpec."""
         vllm_config = offloading_spec.vllm_config
@@ -153,6 +160,7 @@ class FileMapper:
             dtype=dtype,
             kv_cache_groups=kv_cache_groups,
             parallel_agnostic=parallel_agnostic,
+            checksum=checksum,
         )
 
     def get_file_name(self, key: OffloadKey) -> str:
