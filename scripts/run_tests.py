@@ -200,9 +200,9 @@ def main() -> None:
     if not (VENV / "bin" / "python").exists():
         raise UserError(f"no {VENV.relative_to(ROOT)}; run `make apply` first")
     if unpatched:
-        say("expected: on pristine vLLM the regression tests fail - the HMA assertion and the "
-            "other bugs the series fixes - so this command exits non-zero; output is short, "
-            "one line per failure reason")
+        say("expected: on pristine vLLM the regression tests fail - the bugs the series fixes "
+            "(on 0.22.1 first the HMA assertion) - so this command exits non-zero; output is "
+            "short, one line per failure reason")
     prepare_hf_home()
     env = env_for(unpatched)
     results = {}

@@ -74,6 +74,29 @@ NOT_RUNNABLE = {
 }
 
 
+# vLLM 0.33.0's multi-process race tests and a zmq reconnect test wait on fixed deadlines
+# (queue.get timeouts, a 30 s lookup expiry); on a shared 2-core machine they miss them now
+# and then, pristine and patched alike (measured here: queue.Empty, "P2P session did not
+# reach the expected state"), and each passes alone. Skipped there, with the reason shown.
+def _few_cores() -> bool:
+    import importlib.metadata
+
+    # 0.22.1's versions of these tests keep their deadlines here (measured in every run)
+    newer = not importlib.metadata.version("vllm").startswith("0.22.")
+    return newer and (os.cpu_count() or 1) <= 2
+
+
+_DEADLINE_BOUND = "deadline-bound multi-process test: misses its deadlines on a 2-core machine"
+for _name in ("test_multi_worker_race_exactly_one_creator",
+              "test_multi_worker_race_shared_memory_visible",
+              "test_multiprocess_race_construct_and_write",
+              "test_create_next_worker_view_multiprocess_slots"):
+    NOT_RUNNABLE[f"tests/v1/kv_offload/cpu/test_shared_offload_region.py::{_name}"] = (
+        _few_cores, _DEADLINE_BOUND)
+NOT_RUNNABLE["tests/v1/kv_offload/tiering/p2p/test_manager.py::"
+             "test_lookup_expiry_allows_zmq_reconnect"] = (_few_cores, _DEADLINE_BOUND)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for prefix, (cond, reason) in NOT_RUNNABLE.items():

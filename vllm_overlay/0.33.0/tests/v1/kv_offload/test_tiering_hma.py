@@ -31,6 +31,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -72,6 +73,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -440,7 +442,8 @@ def chunk_bytes(key: OffloadKey, row_bytes: int) -> np.ndarray:
 
 
 def ref_cnts(manager: TieringOffloadingManager) -> list[int]:
-    return [c.ref_cnt for c in manager.primary_tier._policy.chunks.values()]
+    policy = manager.primary_tier._policy
+    return [c.ref_cnt for c in policy.chunks.values()]  # type: ignore[attr-defined]
 
 
 def group_keys(
@@ -465,6 +468,7 @@ def finish_tier_io(manager: TieringOffloadingManager) -> None:
     deadline = time.monotonic() + _TIMEOUT_S
     with manager.lock:
         for tier in manager.secondary_tiers:
+            assert isinstance(tier, FileSystemTierManager)
             tier.drain_jobs()
             lookups = tier._lookup_manager
             while True:
@@ -567,6 +571,7 @@ def end_step(
     and report them done; the fs tier does the step's I/O."""
     loads = loads or {}
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(meta, OffloadingConnectorMetadata)
     assert not meta.store_jobs
     assert sorted(job.req_id for job in meta.load_jobs.values()) == sorted(loads)
     manager = tiering_manager(sched)
