@@ -49,8 +49,9 @@ check: ## patches/<v>/ and vllm_overlay/<v>/ agree, and the track's venv holds t
 patches: ## export the checkout's commits to patches/<v>/ and regenerate vllm_overlay/<v>/
 	@$(S)/export_patches.py
 
-lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches
+lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches, then make precommit
 	@$(S)/lint.py
+	@$(MAKE) --no-print-directory precommit
 
 e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min)
 	$(CPU_TRACK_ONLY)
