@@ -76,7 +76,7 @@ def describe_block_layout(spec: KVCacheSpec) -> OffloadingBlockLayout:
     if isinstance(spec, AttentionSpec):
         is_mla = isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
         variant: tuple[str, ...] = (spec.kv_quant_mode.name,)
-        if is_mla:
+        if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
             variant += (str(spec.cache_dtype_str), str(spec.model_version))
         return OffloadingBlockLayout(
             # Full, sliding window and chunked local attention store the same
