@@ -255,7 +255,7 @@ def test_store_accepts_block_published_by_another_writer(fs_tier, monkeypatch):
 
     real_is_complete_block = io_mod._is_complete_block
     real_replace = os.replace
-    hidden = []
+    hidden: list[str] = []
 
     def hiding_is_complete_block(path: str, block_size: int) -> bool:
         if path == dest and not hidden:

@@ -7,12 +7,13 @@ import logging
 import mmap
 import os
 import random
-import re
 import socket
 import stat
 import threading
 import zlib
 from collections.abc import Iterable
+
+import regex as re
 
 try:
     from vllm.fs_io_C import (  # pyright: ignore[reportMissingImports]

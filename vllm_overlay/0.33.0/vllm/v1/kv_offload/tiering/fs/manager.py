@@ -368,11 +368,12 @@ class FileSystemTierManager(SecondaryTierManager):
                 # blocks failed. The others are kept in the primary tier
                 # (reported via successful_keys); only the failed ones are
                 # marked a miss and recomputed.
+                successful: list[OffloadKey] = []
                 if failed_indices is None:
-                    successful, failed = [], load_keys
+                    failed = load_keys
                 else:
                     failed_set = set(failed_indices)
-                    successful, failed = [], []
+                    failed = []
                     for i, k in enumerate(load_keys):
                         (failed if i in failed_set else successful).append(k)
                 self._lookup_manager.mark_miss(failed)
