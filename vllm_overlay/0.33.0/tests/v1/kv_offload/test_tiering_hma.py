@@ -12,8 +12,10 @@ jobs. Only the GPU<->CPU copy is a double: a store writes known bytes into
 the primary tier's rows, and a load job's rows are checked against them.
 """
 
+import dataclasses
 import json
 import math
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -72,6 +74,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -715,3 +718,73 @@ def test_promotion_keeps_chunks_lookup_reported_ready(
         assert all(c in (-1, 0) for c in ref_cnts(tiering_manager(sched)))
     finally:
         sched.shutdown()
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
+def test_worker_slots_are_the_bytes_secondary_tiers_store(
+    model_config, tmp_path, layout, blocks_per_chunk
+):
+    """With two workers, each worker's slot in a chunk row starts at
+    rank * cpu_page_size_per_worker, which is not page-aligned for odd rows
+    (1280 B) or MLA + sliding pages; only the row is. A chunk the workers
+    fill through their views (as CPUOffloadingWorker creates them) is stored
+    by the fs tier as exactly those bytes: rank 0's slot, rank 1's, padding."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, layout, root_dir, 4, blocks_per_chunk)
+    sched = engine.connector_scheduler()
+    key = group_keys(sched, engine.request("req0", 1024))[0][0]
+    sched.shutdown()
+    config = build_offloading_config(engine.vllm_config, engine.kv_cache_config)
+    config = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, world_size=2, tp_size=2)
+    )
+    spec = TieringOffloadingSpec(config)
+    slot = spec.cpu_page_size_per_worker
+    assert spec.kv_bytes_per_chunk % mmap.PAGESIZE == 0
+    assert spec.kv_bytes_per_chunk >= 2 * slot
+    if layout == "odd_rows":
+        assert slot % mmap.PAGESIZE != 0  # the case the test is about
+
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    # the regions TieringOffloadingSpec.create_worker maps, one per rank
+    workers = [
+        SharedOffloadRegion(
+            engine_id=spec._engine_id,
+            num_chunks=spec.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=slot,
+        )
+        for rank in range(2)
+    ]
+    try:
+        ctx = ReqContext("req0")
+        with manager.lock:
+            manager.on_new_request(ctx)
+            out = manager.prepare_store([key], ctx)
+            assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+            (chunk_id,) = out.store_spec.chunk_ids
+            for rank, region in enumerate(workers):
+                view = region.create_next_worker_view(slot)  # one canonical tensor
+                view[chunk_id] = torch.full((slot,), rank + 1, dtype=torch.int8)
+            manager.complete_store([key], ctx)  # cascades to the fs tier
+            manager.on_request_finished(ctx)
+        finish_tier_io(manager)
+        expected = np.zeros(spec.kv_bytes_per_chunk, dtype=np.uint8)
+        expected[:slot] = 1
+        expected[slot : 2 * slot] = 2
+        np.testing.assert_array_equal(cpu_rows(manager)[chunk_id], expected)
+        (path,) = [
+            os.path.join(d, f)
+            for d, _, fs in os.walk(root_dir)
+            for f in fs
+            if f.endswith(".bin")
+        ]
+        stored = np.fromfile(path, dtype=np.uint8)
+        np.testing.assert_array_equal(stored, expected)
+    finally:
+        for region in workers:
+            region.cleanup()
+        manager.shutdown()
