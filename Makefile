@@ -49,7 +49,7 @@ check: ## patches/<v>/ and vllm_overlay/<v>/ agree, and the track's venv holds t
 patches: ## export the checkout's commits to patches/<v>/ and regenerate vllm_overlay/<v>/
 	@$(S)/export_patches.py
 
-lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches, then make precommit
+lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches, then make precommit (with actionlint on ci/*.yml)
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 
