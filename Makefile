@@ -3,6 +3,8 @@
 # each has its own patches/<v>/, vllm_overlay/<v>/, build/vllm[-<v>] and .venv[-<v>].
 # TARGET=cpu|cuda selects the vLLM build of the track's venv.
 # GROUP=project|regression|upstream|e2e and ARGS='<pytest args>' narrow `make test`.
+# HMA_XDIST=N: pytest-xdist workers for its regression and upstream groups (0: serial;
+# unset: one per idle CPU, serial below two).
 PY ?= python3
 S := $(PY) scripts
 GROUP ?=
