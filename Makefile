@@ -3,6 +3,8 @@
 # each has its own patches/<v>/, vllm_overlay/<v>/, build/vllm[-<v>] and .venv[-<v>].
 # TARGET=cpu|cuda selects the vLLM build of the track's venv.
 # GROUP=project|regression|upstream|e2e and ARGS='<pytest args>' narrow `make test`.
+# HMA_XDIST=N: pytest-xdist workers for its regression and upstream groups (0: serial;
+# unset: one per idle CPU, serial below two).
 PY ?= python3
 S := $(PY) scripts
 GROUP ?=
@@ -49,7 +51,7 @@ check: ## patches/<v>/ and vllm_overlay/<v>/ agree, and the track's venv holds t
 patches: ## export the checkout's commits to patches/<v>/ and regenerate vllm_overlay/<v>/
 	@$(S)/export_patches.py
 
-lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches, then make precommit
+lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touches, then make precommit (with actionlint on ci/*.yml)
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 

@@ -39,9 +39,10 @@ SIZES = {
 }
 HEADROOM = 0.5e9
 STAMP = "hma-env.json"
-# Beyond vLLM's own requirements: the test runner, vLLM's tests/conftest.py (tblib),
-# the lm_eval client of the end-to-end plan, and vLLM's pinned ruff for `make lint`.
-EXTRA_FOR_CUDA = ["pytest", "tblib", "lm_eval", "ruff==0.14.0"]
+# Beyond vLLM's own requirements: the test runner (pytest-xdist: run_tests.py's workers),
+# vLLM's tests/conftest.py (tblib), the lm_eval client of the end-to-end plan, and vLLM's
+# pinned ruff for `make lint`.
+EXTRA_FOR_CUDA = ["pytest", "pytest-xdist", "tblib", "lm_eval", "ruff==0.14.0"]
 
 
 def wheelhouse() -> Path:

@@ -49,8 +49,8 @@ if __name__ == "__main__":  # not when imported (tests): the caller's environmen
     _default_track()
 
 from _lib import (  # noqa: E402
-    BUILD, ROOT, VENV, Timer, UserError, checkout_dir, git, git_env, load_pin, run_main,
-    run_quiet, say, series_dir, vllm_version,
+    BUILD, ROOT, SERIES_VERSION, VENV, Timer, UserError, checkout_dir, git, git_env, load_pin,
+    run_main, run_quiet, say, series_dir, vllm_version,
 )
 from apply import AM_ARGS, conflicting_files  # noqa: E402
 from export_patches import FORMAT_PATCH_ARGS  # noqa: E402
@@ -225,9 +225,34 @@ def signed(msg: str, name: str, email: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the clone
+def make_command(target: str, version: str) -> str:
+    """The make command for the track make pr works on (it picks the newest one by itself;
+    a bare `make apply` would build the default track's)."""
+    return (f"make {target}" if version == SERIES_VERSION
+            else f"VLLM_VERSION={version} make {target}")
+
+
+def check_prerequisites(version: str, checkout: Path, needs_venv: bool) -> None:
+    """Before anything is built: the track's checkout (the branches' source) and, when tests
+    run, its venv. A fresh clone has neither for the upstream track."""
+    have_checkout = (checkout / ".git").exists()
+    have_venv = (VENV / "bin" / "python").exists()
+    if needs_venv and not (have_checkout and have_venv):
+        missing = " and ".join(rel(p) for p, ok in ((checkout, have_checkout), (VENV, have_venv))
+                               if not ok)
+        raise UserError(f"make pr needs vLLM {version}'s checkout and venv to build and test "
+                        f"the branches ({missing} missing): run `{make_command('apply', version)}` "
+                        "first, or `make pr PR_ARGS=--no-tests` to skip the tests")
+    if not have_checkout:
+        raise UserError(f"make pr needs vLLM {version}'s checkout to build the branches "
+                        f"({rel(checkout)} missing): run `{make_command('checkout', version)}` "
+                        "first")
+
+
 def ensure_repo(checkout: Path, repo: Path, tag: str, ident: tuple[str, str]) -> None:
     if not (checkout / ".git").exists():
-        raise UserError(f"no checkout at {rel(checkout)}; `make checkout` builds it")
+        raise UserError(f"no checkout at {rel(checkout)}; "
+                        f"`{make_command('checkout', vllm_version())}` builds it")
     if not (repo / ".git").exists():
         say(f"cloning {rel(checkout)} to {rel(repo)} (git clone --shared: the checkout is "
             "only read)")
@@ -614,6 +639,8 @@ def main() -> None:
         return
     ident = identity()
     checkout = checkout_dir(version)
+    check_prerequisites(version, checkout, needs_venv=not opts.no_tests
+                        and any(u.tests for u in units))
     out_root = PR_ROOT / version
     repo = out_root / "repo"
     say(f"vLLM {version}: {len(units)} unit(s), signed off by {ident[0]} <{ident[1]}>")
@@ -670,7 +697,8 @@ def main() -> None:
                 else:
                     if not (VENV / "bin" / "python").exists():
                         raise UserError(f"no {rel(VENV)} to run unit {unit.name!r}'s tests; "
-                                        "`make apply` builds it (or run make pr --no-tests)")
+                                        f"`{make_command('apply', version)}` builds it (or "
+                                        "run make pr PR_ARGS=--no-tests)")
                     if touched is None:
                         touched = touched_by_track(checkout, tag)
                     mine = set(git("diff", "--name-only", "--no-renames", tag, branch, "--",

@@ -207,6 +207,41 @@ def test_failing_hook_stops_the_kit_and_names_hook_and_file(track):
     assert "vLLM's pre-commit hooks" in (track / "build/pr" / V / "x-and-y/PR.md").read_text()
 
 
+def test_fresh_clone_names_the_command_that_builds_the_upstream_track(project_copy, tmp_path):
+    """A fresh clone has neither build/vllm-<v> nor .venv-<v> of the track make pr picks by
+    itself (the newest series): it stops before building anything, with the command that
+    makes them for that track (a bare `make apply` builds the other one)."""
+    newest = max((p.name for p in (project_copy / "patches").iterdir() if p.is_dir()),
+                 key=lambda v: tuple(map(int, v.split("."))))
+    assert newest != V  # the upstream track, not the default one
+    gitconfig = tmp_path / "gitconfig"
+    gitconfig.write_text(f"[user]\n\tname = {ME[0]}\n\temail = {ME[1]}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "VLLM_"))}
+    env["GIT_CONFIG_GLOBAL"] = str(gitconfig)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "scripts/make_pr.py", *args], cwd=project_copy,
+                              env=env, capture_output=True, text=True)
+
+    r = run("--no-hooks")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.count("\n") == 0, err  # one sentence, no traceback
+    assert f"build/vllm-{newest} and .venv-{newest} missing" in err
+    assert f"run `VLLM_VERSION={newest} make apply` first" in err
+
+    r = run("--no-hooks", "--no-tests")  # the branches alone need the checkout only
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"(build/vllm-{newest} missing): run `VLLM_VERSION={newest} make checkout` first" \
+        in r.stderr
+
+    (project_copy / "build" / f"vllm-{newest}" / ".git").mkdir(parents=True)  # checkout only
+    r = run("--no-hooks")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"(.venv-{newest} missing): run `VLLM_VERSION={newest} make apply` first" in r.stderr
+    assert not (project_copy / "build" / "pr").exists()  # refused before anything was made
+
+
 def test_clean_message_keeps_problem_and_change_of_every_real_patch():
     for p in sorted((ROOT / "patches").glob("*/*.patch")):
         text = p.read_text()

@@ -11,6 +11,11 @@
 4. CPU offloading regions (/dev/shm/vllm_offload_*.mmap, tens of MB each, in RAM) that the
    session's tests leave behind are removed at the end, with a count: pristine vLLM leaks one
    whenever it refuses a model after creating the region, and 100+ such tests would fill RAM.
+5. Under pytest-xdist (run_tests.py's -n) steps 1 and 4 run in the controller only: it
+   checks before any worker starts and cleans up after every worker has finished, so no
+   worker removes a region that another one is still using (step 3 runs in every process).
+   HMA_PART=parallel|serial (run_tests.py) splits a group into the part it runs with xdist
+   and the deadline-bound tests (hma_serial.SERIAL) that it runs after it, alone.
 """
 
 import glob
@@ -19,6 +24,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hma_serial import SERIAL
 
 # 0.22.1 (the default track) refuses every HMA model with this line; the series removes it.
 ASSERTION = "assert len(self.gpu_block_size) == 1"
@@ -35,7 +41,13 @@ SHM_REGIONS = "/dev/shm/vllm_offload_*.mmap"
 _regions_before: set[str] = set()
 
 
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
+    if _xdist_worker(session.config):
+        return  # the controller checked, before starting the workers
     _regions_before.update(glob.glob(SHM_REGIONS))
     overlay = Path(os.environ["HMA_OVERLAY"])
     unpatched = os.environ.get("HMA_UNPATCHED") == "1"
@@ -146,9 +158,20 @@ def pytest_collection_modifyitems(config, items):
         for prefix, (cond, reason) in NOT_RUNNABLE.items():
             if item.nodeid.startswith(prefix) and cond():
                 item.add_marker(pytest.mark.skip(reason=f"cannot run here: {reason}"))
+    part = os.environ.get("HMA_PART")
+    if part in ("parallel", "serial"):
+        keep, drop = [], []
+        for item in items:
+            serial = item.nodeid.startswith(SERIAL)
+            (keep if serial == (part == "serial") else drop).append(item)
+        if drop:
+            items[:] = keep
+            config.hook.pytest_deselected(items=drop)
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if _xdist_worker(session.config):
+        return  # the controller removes what is left, after every worker has finished
     leaked = [p for p in glob.glob(SHM_REGIONS) if p not in _regions_before]
     size = 0
     for path in leaked:
