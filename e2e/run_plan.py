@@ -52,11 +52,15 @@ SMALL_ROWS_PER_GROUP = 24     # small CPU tier: 24 rows per KV cache group, belo
                               # (~19 prefix blocks per group + 1-2 per document) but above
                               # what one request needs
 UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
-# Per track: the fs tier's type name, the CPU copy double's module, and whether pristine
-# vLLM refuses HMA models at start-up (0.22.1's assertion; gone since 0.23.0, #44287).
+# Per track: the fs tier's type name, the CPU copy double's module, whether pristine vLLM
+# refuses HMA models at start-up (0.22.1's assertion; gone since 0.23.0, #44287), and the
+# block size: 16 tokens as on GPUs where the CPU backend allows it; 0.32.0's CPU attention
+# takes multiples of 32 only ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])").
 TRACKS = {
-    "0.22.1": {"fs_type": "fs_python", "spec_module": "cpu_copy_spec", "hma_refused": True},
-    "0.32.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False},
+    "0.22.1": {"fs_type": "fs_python", "spec_module": "cpu_copy_spec", "hma_refused": True,
+               "block_size": 16},
+    "0.32.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
+               "block_size": 32},
 }
 
 
@@ -229,7 +233,9 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     fs_root = run_dir / "fs"
-    if sc["small"]:
+    if sc["small"] and getattr(args, "small_cpu_bytes", None):
+        cpu_bytes = args.small_cpu_bytes
+    elif sc["small"]:
         row_bytes, n_groups = cpu_row_bytes or (2048, 4)
         cpu_bytes = SMALL_ROWS_PER_GROUP * n_groups * row_bytes
     else:
@@ -240,7 +246,9 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
         arms = ["warm"]
     arms = [a for a in arms if a in args.arms]
     for arm in arms:
-        kv = None if arm == "noconn" else kv_config(fs_root, cpu_bytes, gpu=args.gpu)
+        arm_bytes = (args.cold_cpu_bytes if arm == "cold" and getattr(args, "cold_cpu_bytes", None)
+                     else cpu_bytes)
+        kv = None if arm == "noconn" else kv_config(fs_root, arm_bytes, gpu=args.gpu)
         rows.append(run_arm(model, scenario, arm, run_dir, kv, sc["num_concurrent"], args,
                             pythonpath))
         if not rows[-1].ran() and arm != "cold":
@@ -322,12 +330,21 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", nargs="*", default=["noconn", "warm", "cold"],
                     choices=["noconn", "warm", "cold"], help="arms to run (debugging)")
     ap.add_argument("--compile", action="store_true", help="do not pass --enforce-eager")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per block (default: the track's, see TRACKS)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra server argument")
     ap.add_argument("--corrupt-loads", action="store_true",
                     help="negative control: garble the cold arm's CPU->GPU loads; expect DIFF")
     ap.add_argument("--gpu", action="store_true",
                     help="real CUDA handlers: plain TieringOffloadingSpec (used by run_gpu.py)")
+    ap.add_argument("--small-cpu-bytes", type=int, default=None,
+                    help="CPU tier bytes of the small scenario (default: %d rows per KV cache "
+                    "group, as measured in base); below one request's chunks it is the "
+                    "tier patch 0.33.0/0002 is about" % SMALL_ROWS_PER_GROUP)
+    ap.add_argument("--cold-cpu-bytes", type=int, default=None,
+                    help="CPU tier bytes of the cold arm only (the warm arm fills the disk "
+                    "tier with the scenario's); below one request's chunks, every request "
+                    "must be promoted from disk into a tier that cannot hold it")
     ap.add_argument("--arm-timeout", type=float, default=None,
                     help="stop an arm's lm_eval after this many seconds (status TIMEOUT)")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -336,6 +353,7 @@ def main(argv=None) -> int:
         say(f"VLLM_VERSION={TRACK}: no CPU engine run for this track; the plan runs on "
             f"{', '.join(TRACKS)} (0.32.0 is the upstream track's CPU engine)")
         return 2
+    args.block_size = args.block_size or TRACKS[TRACK]["block_size"]
     problem = venv_problem(args.unpatched)
     if problem:
         say(problem)
