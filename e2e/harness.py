@@ -15,7 +15,11 @@ from pathlib import Path
 
 E2E = Path(__file__).resolve().parent
 ROOT = E2E.parent
-VENV_BIN = Path(os.environ.get("E2E_VENV_BIN", ROOT / ".venv" / "bin"))
+# The track, as the rest of the project selects it: .venv for 0.22.1 (the default), else
+# .venv-<VLLM_VERSION> (0.32.0: the upstream track's CPU engine).
+TRACK = os.environ.get("VLLM_VERSION") or "0.22.1"
+VENV_BIN = Path(os.environ.get(
+    "E2E_VENV_BIN", ROOT / (".venv" if TRACK == "0.22.1" else f".venv-{TRACK}") / "bin"))
 PY = VENV_BIN / "python"
 VLLM = VENV_BIN / "vllm"
 LM_EVAL = VENV_BIN / "lm_eval"
@@ -25,6 +29,10 @@ TASK = "tiny_gsm"
 
 class E2EError(Exception):
     """A failure with a sentence a user can act on."""
+
+
+class E2ETimeout(E2EError):
+    """lm_eval did not finish within the arm's time limit (a livelock, or a slow machine)."""
 
 
 def say(msg: str) -> None:
@@ -205,7 +213,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def run_lm_eval(server: Server, tokenizer: Path | str, task_dir: Path | None, out_dir: Path,
                 num_concurrent: int, log_path: Path, limit: int | None = None,
-                task: str = TASK, results: dict | None = None) -> dict[int, list]:
+                task: str = TASK, results: dict | None = None,
+                timeout: float | None = None) -> dict[int, list]:
     """Run lm_eval local-completions against the server; return {doc_id: resps}.
 
     If `results` is given, it receives the task's metrics from lm_eval's results file."""
@@ -226,7 +235,12 @@ def run_lm_eval(server: Server, tokenizer: Path | str, task_dir: Path | None, ou
     with open(log_path, "w") as lf:
         lf.write("$ " + " ".join(cmd) + "\n")
         lf.flush()
-        rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env).returncode
+        try:
+            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise E2ETimeout(f"lm_eval did not finish within {timeout:.0f} s (stopped); "
+                             f"see {log_path}") from None
     if rc != 0:
         raise E2EError(f"lm_eval failed (exit {rc}); see {log_path}:\n{log_tail(log_path, 25)}")
     if results is not None:

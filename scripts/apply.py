@@ -17,8 +17,8 @@ import tarfile
 from pathlib import Path
 
 from _lib import (
-    PATCHES, ROOT, SERIES_VERSION, UserError, Timer, checkout_dir, git, git_env, load_pin,
-    run_main, say, series_dir,
+    PATCHES, ROOT, SERIES_VERSION, UserError, Timer, borrowed_series, checkout_dir, git,
+    git_env, load_pin, run_main, say, series_dir,
 )
 from fetch import fetch
 
@@ -152,7 +152,12 @@ def apply_series(repo: Path, tag: str, patches: list[Path]) -> None:
             msg += f"not tried (they build on it): {len(later)} patch(es), {later[0]} to {later[-1]}\n"
         if files[0].startswith("(git named"):
             msg += "git said:\n" + "".join(f"  {ln}\n" for ln in (r.stdout + r.stderr).splitlines()[:8])
-        msg += (f"The checkout {repo} was left at the pristine tag {tag}. To port the series: "
+        msg += f"The checkout {repo} was left at the pristine tag {tag}. "
+        if borrowed_series():
+            msg += (f"This release applies the {borrowed_series()} series as it is (its pin's "
+                    "`series`); `make patches` does not write it from here. A port is a "
+                    "series of its own: drop `series` from the pin, then port as below")
+        msg += (f"To port the series: "
                 f"`git -C {repo} am -3 --keep-non-patch {p}`, resolve, `git am --continue`, then "
                 f"the next patches; export the port with "
                 f"`make patches` (it writes {PATCHES.relative_to(ROOT)}/; no other series changes)")
@@ -178,6 +183,9 @@ def main() -> None:
         if folder != PATCHES:
             say(f"no series for vLLM {pin['version']} yet ({PATCHES.relative_to(ROOT)}/): "
                 f"trying the {SERIES_VERSION} series on it")
+        elif borrowed_series():
+            say(f"vLLM {pin['version']} applies the {borrowed_series()} series "
+                f"({pin['pin_file'].name}: series = \"{borrowed_series()}\")")
         say(f"applying {len(patches)} patch(es) from {folder.relative_to(ROOT)}/ on {tag}")
         apply_series(repo, tag, patches)
         state.write_text(f"{digest} {git('rev-parse', 'HEAD', cwd=repo)}\n")

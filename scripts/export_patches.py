@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from _lib import (
-    OVERLAY, PATCHES, ROOT, VENV, UserError, checkout_dir, git, load_pin, rel, run_main, say,
+    OVERLAY, PATCHES, ROOT, VENV, UserError, borrowed_series, checkout_dir, git, load_pin, rel,
+    run_main, say,
 )
 from apply import STATE, series, series_digest
 
@@ -97,6 +98,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the series here only")
     opts = ap.parse_args()
     pin = load_pin()
+    other = borrowed_series()
+    if other and opts.out is None:
+        raise UserError(
+            f"vLLM {pin['version']} applies the {other} series ({pin['pin_file'].name}: "
+            f"series = \"{other}\"), so `make patches` here would overwrite {rel(PATCHES)}/ "
+            f"with commits made on {pin['tag']}. Nothing was written. Change the series on "
+            f"its own track (build/vllm-{other}, `VLLM_VERSION={other} make patches`), or "
+            f"export these commits elsewhere: `scripts/export_patches.py --out DIR`")
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make apply` first")

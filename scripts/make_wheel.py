@@ -17,7 +17,11 @@ Nothing else changes: Requires-Dist, entry points and compiled parts are the pin
 but for a native source the series changes (NATIVE: compiled here, with g++).
 An operator copies the file to a server and `pip install`s it (TARGET=cuda on GPU servers).
 
-Usage: make_wheel.py [--check WHEEL]   (--check: only verify an existing wheel's RECORD)
+Usage: make_wheel.py [--check WHEEL | --pristine]
+  --check WHEEL  only verify an existing wheel's RECORD
+  --pristine     the pinned wheel renamed and verified the same way, without the series
+                 (vllm-<version>+cpu: pristine upstream for a release the series does not
+                 apply to, e.g. the e2e plan's --unpatched arms on vLLM 0.32.0)
 """
 
 import base64
@@ -67,16 +71,18 @@ def local_tag(tgt: str) -> str:
     return "cpu.hma" if tgt == "cpu" else "hma"
 
 
-def local_version(pin: dict, tgt: str) -> str:
+def local_version(pin: dict, tgt: str, pristine: bool = False) -> str:
+    if pristine:  # the pinned wheel as dist vllm, no series: "+cpu" as vLLM's own CPU wheels
+        return pin["version"] + ("+cpu" if tgt == "cpu" else "")
     return f"{pin['version']}+{local_tag(tgt)}.{series_digest(series())[:12]}"
 
 
-def wheel_name(pin: dict, tgt: str) -> str:
+def wheel_name(pin: dict, tgt: str, pristine: bool = False) -> str:
     orig = pin["artifacts"][tgt]["file"]
     m = re.match(r"^[^-]+-[^-]+(?:-\d[^-]*)?-(.+)\.whl$", orig)  # name-ver[-build]-tags.whl
     if not m:
         raise UserError(f"cannot read the tags of the wheel file name {orig}")
-    return f"{DIST_NAME}-{local_version(pin, tgt)}-{m.group(1)}.whl"
+    return f"{DIST_NAME}-{local_version(pin, tgt, pristine)}-{m.group(1)}.whl"
 
 
 def new_metadata(text: str, version: str) -> str:
@@ -102,22 +108,23 @@ def compile_native(src: str, code: bytes) -> bytes:
         return so.read_bytes()
 
 
-def build(pin: dict, tgt: str) -> Path:
+def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
+    """pristine: no series, only the rename (for a release whose series does not apply)."""
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make checkout` (or `make apply`) first")
     src = fetch(pin, tgt)
-    version = local_version(pin, tgt)
-    out = WHEELS / wheel_name(pin, tgt)
+    version = local_version(pin, tgt, pristine)
+    out = WHEELS / wheel_name(pin, tgt, pristine)
     inputs = {"wheel_sha256": pin["artifacts"][tgt]["sha256"],
-              "series_sha256": series_digest(series()),
+              "series_sha256": "pristine" if pristine else series_digest(series()),
               "make_wheel_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
     stamp = out.with_name(out.name + ".inputs.json")
     if out.exists() and stamp.exists() and json.loads(stamp.read_text()) == inputs:
         n = verify(out)
         say(f"{out.relative_to(BUILD.parent)}: up to date ({n} files, RECORD verified)")
         return out
-    files = series_files(repo, pin["tag"])
+    files = {} if pristine else series_files(repo, pin["tag"])
     patched = {p: b for p, b in files.items() if p.startswith("vllm/")}
     native = {NATIVE[src]: compile_native(src, code) for src, code in files.items()
               if src in NATIVE}
@@ -125,7 +132,7 @@ def build(pin: dict, tgt: str) -> Path:
         say(f"compiled the series' {', '.join(k for k in files if k in NATIVE)}")
     WHEELS.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    say(f"repacking {src.name} with {len(series())} patch(es) ({len(patched)} vllm/ files) "
+    say(f"repacking {src.name} with {0 if pristine else len(series())} patch(es) ({len(patched)} vllm/ files) "
         f"as {out.name}")
     with Timer() as t, zipfile.ZipFile(src) as zin, \
             zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
@@ -232,7 +239,7 @@ def main() -> None:
             say(f"{p}: {verify(Path(p))} files, RECORD verified")
         return
     pin = load_pin()
-    out = build(pin, target())
+    out = build(pin, target(), pristine=sys.argv[1:2] == ["--pristine"])
     say(f"install it: pip install {out.relative_to(BUILD.parent)}"
         + ("  (CPU: add --no-deps over an environment that has its dependencies, "
            "as .venv does; see README)" if target() == "cpu" else ""))

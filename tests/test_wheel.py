@@ -98,3 +98,11 @@ def test_venv_holds_the_series_wheel_installed_by_pip():
     r = subprocess.run([ROOT / ".venv/bin/python", "-m", "pip", "show", "vllm"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and f"Version: {version}\n" in r.stdout
+
+
+def test_the_pristine_wheel_is_named_as_vllms_own_cpu_build():
+    """make_wheel.py --pristine: the pinned wheel without the series, "+cpu" (CPU platform)."""
+    pin = _lib.load_pin("0.32.0")
+    assert make_wheel.local_version(pin, "cpu", pristine=True) == "0.32.0+cpu"
+    assert make_wheel.wheel_name(pin, "cpu", pristine=True) == \
+        "vllm-0.32.0+cpu-cp38-abi3-manylinux_2_28_x86_64.whl"

@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test-only offloading spec for the OffloadingWorker API (vLLM 0.32.0, the upstream
+track's CPU engine): the real TieringOffloadingSpec with a CPU memory copy in place of the
+CUDA device<->host copy. cpu_copy_spec.py is the same double for the 0.22.1 API (handlers).
+
+Loaded by the OffloadingConnector through kv_connector_extra_config
+    {"spec_name": "CpuCopyTieringSpec", "spec_module_path": "cpu_copy_worker_spec", ...}
+
+Only the worker differs from upstream: CPUOffloadingSpec.get_worker refuses platforms other
+than CUDA-alike and XPU, and SingleDirectionOffloadingHandler needs device tensors, streams
+and swap_blocks_batch. Here each copy is a memmove between the engine's KV cache tensors
+(in CPU memory on the CPU platform) and the SharedOffloadRegion worker views, with the
+pointers computed by upstream's own `compute_sub_block_ptrs` and the same per-group walk as
+`SingleDirectionOffloadingHandler.transfer_async` (direct layout). Scheduler, connector,
+managers, tiers and files are unchanged vLLM code.
+
+It logs the two lines the e2e runner reads from the engine log:
+  "e2e-spec: kv cache groups ..."  the groups vLLM built (count, block size, chunk bytes)
+  "e2e-spec: promoted N keys ..."   keys a secondary tier loaded back into the CPU tier
+"""
+
+import ctypes
+import os
+import time
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+# under the "vllm" logger so the engine's log configuration prints these lines
+logger = init_logger("vllm.e2e.cpu_copy_worker_spec")
+
+
+class _Direction:
+    """One direction (GPU->CPU or CPU->GPU), copies done synchronously with memmove."""
+
+    def __init__(self, gpu_tensors, cpu_tensors, blocks_per_chunk, refs, gpu_to_cpu):
+        self.src_tensors = gpu_tensors if gpu_to_cpu else cpu_tensors
+        self.dst_tensors = cpu_tensors if gpu_to_cpu else gpu_tensors
+        self.gpu_to_cpu = gpu_to_cpu
+        self.refs = refs
+        self.src_f = 1 if gpu_to_cpu else blocks_per_chunk
+        self.dst_f = blocks_per_chunk if gpu_to_cpu else 1
+        # negative control for the harness: E2E_CORRUPT_LOADS=1 garbles every CPU->GPU load
+        self.corrupt = not gpu_to_cpu and os.environ.get("E2E_CORRUPT_LOADS") == "1"
+
+    def copy(self, job_id: int, src_spec: LoadStoreSpec,
+             dst_spec: LoadStoreSpec) -> TransferResult:
+        t0 = time.perf_counter()
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
+        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
+        assert isinstance(gpu_spec, GPULoadStoreSpec)
+        assert len(gpu_spec.group_sizes) == len(self.refs)
+        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
+        src_off = dst_off = nbytes = 0
+        for group_size, block_idx, refs in zip(gpu_spec.group_sizes, gpu_spec.block_indices,
+                                               self.refs):
+            if group_size == 0:
+                continue
+            src_skip, dst_skip = block_idx % self.src_f, block_idx % self.dst_f
+            src_n = cdiv(group_size + src_skip, self.src_f)
+            dst_n = cdiv(group_size + dst_skip, self.dst_f)
+            group_src = src_blocks[src_off:src_off + src_n]
+            group_dst = dst_blocks[dst_off:dst_off + dst_n]
+            assert len(group_src) == src_n and len(group_dst) == dst_n
+            src_ptrs = np.empty(group_size, dtype=np.uint64)
+            dst_ptrs = np.empty(group_size, dtype=np.uint64)
+            for ref in refs:
+                compute_sub_block_ptrs(group_src, self.src_f, src_ptrs,
+                                       self.src_tensors[ref.tensor_idx], skip_count=src_skip)
+                compute_sub_block_ptrs(group_dst, self.dst_f, dst_ptrs,
+                                       self.dst_tensors[ref.tensor_idx], skip_count=dst_skip)
+                for s, d in zip(src_ptrs.tolist(), dst_ptrs.tolist()):
+                    ctypes.memmove(d, s, ref.page_size_bytes)
+                    if self.corrupt:
+                        ctypes.memset(d, 0x3C, ref.page_size_bytes)
+                nbytes += group_size * ref.page_size_bytes
+            src_off += src_n
+            dst_off += dst_n
+        assert src_off == len(src_blocks) and dst_off == len(dst_blocks)
+        return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                              transfer_time=time.perf_counter() - t0)
+
+
+class CpuCopyWorker(OffloadingWorker):
+    """Same CPU tensor layout as CPUOffloadingWorker (direct layout, shared region views)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
+                 mmap_region: SharedOffloadRegion):
+        self._mmap_region: SharedOffloadRegion | None = mmap_region
+        gpu_tensors, cpu_tensors = [], []
+        for t in kv_caches.tensors:
+            assert t.tensor.device.type == "cpu", "this spec is for the CPU platform only"
+            gpu_tensors.append(t.tensor.view(torch.int8).view((-1, t.page_size_bytes)))
+            cpu_tensors.append(mmap_region.create_next_worker_view(
+                t.page_size_bytes * blocks_per_chunk))
+        refs = kv_caches.group_data_refs
+        self._store = _Direction(gpu_tensors, cpu_tensors, blocks_per_chunk, refs, True)
+        self._load = _Direction(gpu_tensors, cpu_tensors, blocks_per_chunk, refs, False)
+        self._done: list[TransferResult] = []
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        self._done.append(self._store.copy(job_id, src_spec, dst_spec))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        self._done.append(self._load.copy(job_id, src_spec, dst_spec))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # copies are synchronous
+
+    def shutdown(self) -> None:
+        if self._mmap_region is not None:
+            self._mmap_region.cleanup()
+            self._mmap_region = None
+
+
+class CpuCopyTieringSpec(TieringOffloadingSpec):
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        groups = [f"g{g.group_id}:(tokens_per_block={g.tokens_per_block}, "
+                  f"layers={len(g.layer_names)})" for g in config.groups]
+        # cpu_row_bytes: bytes of one CPU chunk (all groups' blocks, aligned), the unit
+        # cpu_bytes_to_use is divided by; cpu_blocks: the CPU tier's chunks
+        logger.info(
+            "e2e-spec: kv cache groups count=%d block_sizes=%s hash_block_size=%s "
+            "blocks_per_chunk=%d worker_kv_bytes_per_block=%d cpu_row_bytes=%d "
+            "cpu_blocks=%d groups=[%s]",
+            len(groups), list(self.tokens_per_block), self.tokens_per_hash,
+            self.blocks_per_chunk, config.worker_kv_bytes_per_block,
+            self.kv_bytes_per_chunk, self.num_chunks, "; ".join(groups))
+
+    def get_manager(self) -> OffloadingManager:
+        fresh = self._manager is None
+        manager = super().get_manager()
+        if fresh:
+            for tier in getattr(manager, "secondary_tiers", []):
+                _count_promotions(tier)
+        return manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        # CPUOffloadingSpec.get_worker refuses the CPU platform; this is the only change.
+        if not self._worker:
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            try:
+                self._worker = CpuCopyWorker(kv_caches, self.blocks_per_chunk, region)
+            except Exception:
+                region.cleanup()
+                raise
+        return self._worker
+
+
+def _count_promotions(tier) -> None:
+    """Log every load a secondary tier is asked for (observation only, behaviour unchanged;
+    the same lines as cpu_copy_spec.py, which imports the 0.22.1 API)."""
+    submit_load = tier.submit_load
+    totals = {"keys": 0, "jobs": 0}
+
+    def counting_submit_load(job_metadata):
+        totals["keys"] += len(job_metadata.keys)
+        totals["jobs"] += 1
+        logger.info("e2e-spec: promoted %d keys from %s (total keys=%d jobs=%d)",
+                    len(job_metadata.keys), tier.tier_type, totals["keys"], totals["jobs"])
+        return submit_load(job_metadata)
+
+    tier.submit_load = counting_submit_load
