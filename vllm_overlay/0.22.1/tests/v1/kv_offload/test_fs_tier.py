@@ -9,6 +9,7 @@ data integrity throughout the process.
 """
 
 import os
+import threading
 import time
 from unittest.mock import MagicMock
 
@@ -810,51 +811,54 @@ def test_request_settles_when_a_block_path_cannot_be_loaded(tmp_path, caplog):
         manager.shutdown()
 
 
-def test_start_up_removes_only_the_temp_files_of_dead_writers(tmp_path):
-    """A writer killed between creating a block's temp file and renaming it
-    leaves the temp file behind for good. At start-up the tier removes the
-    temp files of writers of this host that are no longer running, and keeps
-    those of running writers (another engine sharing the directory), of
-    other hosts, and those that do not name their writer."""
-    import socket
-    import subprocess
-    import sys
-    import zlib
+def test_start_up_removes_only_stale_temp_files(tmp_path):
+    """A writer killed between writing a block's temp file and renaming it
+    leaves the temp file behind. A tier starting on the directory removes the
+    tier's temp files older than cleanup_stale_tmp_after_seconds (block,
+    O_DIRECT probe and config.json temp files) and keeps recent ones (a
+    writer of another engine sharing the directory may still rename them),
+    blocks, and files the tier did not write."""
+    rows = _aligned_rows(2)
+    tier = _make_tier(str(tmp_path), rows)
+    block = tier.file_mapper.get_file_name(key(1))
+    config_dir = os.path.dirname(tier.file_mapper.get_config_file_path())
+    tier.shutdown()
 
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+    os.makedirs(os.path.dirname(block), exist_ok=True)
+    stale = [
+        f"{block}_1.tmp",
+        os.path.join(config_dir, ".direct_io_probe_2.tmp"),
+        os.path.join(config_dir, "config.json_5.tmp"),
+    ]
+    recent = [f"{block}_3.tmp"]
+    other = [block, f"{block}.tmp", os.path.join(config_dir, "notes_4.tmp")]
+    two_hours_ago = time.time() - 7200
 
-    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
-    other_host = f"{(int(host, 16) + 1) % 2**32:08x}"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    try:
-        rows = _aligned_rows(2)
-        tier = _make_tier(str(tmp_path), rows)
-        tier.shutdown()
-        block = tier.file_mapper.get_file_name(key(1))
-        os.makedirs(os.path.dirname(block), exist_ok=True)
-        files = {
-            "dead writer": f"{block}_h{host}_{dead.pid}_1.tmp",
-            "live writer": f"{block}_h{host}_{live.pid}_2.tmp",
-            "this process": f"{block}_h{host}_{os.getpid()}_3.tmp",
-            "other host": f"{block}_h{other_host}_{dead.pid}_4.tmp",
-            "no writer": f"{block}_5.tmp",
-        }
-        for path in files.values():
+    def write(paths, old):
+        for path in paths:
             with open(path, "wb") as f:
-                f.write(b"\0" * 100)
+                f.write(b"x" * 10)
+            if old:
+                os.utime(path, (two_hours_ago, two_hours_ago))
 
-        tier = _make_tier(str(tmp_path), rows)
-        # the cleanup runs in the background (shutdown() would cancel it)
-        cleanup = getattr(tier, "_tmp_cleanup", None)
+    write(stale + other, old=True)
+    write(recent, old=False)
+    tier = _make_tier(str(tmp_path), rows)  # default: older than an hour
+    try:
+        cleanup = getattr(tier, "_tmp_cleanup", None)  # the walk runs in the background
         if cleanup is not None:
             cleanup.join()
-        tier.shutdown()
-        left = {what for what, path in files.items() if os.path.exists(path)}
-        assert left == {"live writer", "this process", "other host", "no writer"}
+        assert [os.path.exists(p) for p in stale] == [False] * len(stale)
+        assert all(os.path.exists(p) for p in recent + other)
     finally:
-        live.kill()
-        live.wait()
-    # the tier names its own temp files so that they can be told apart
-    assert fs_io._get_tmp_suffix().startswith(f"_h{host}_{os.getpid()}_")
+        tier.shutdown()
+
+    write(stale, old=True)
+    tier = _make_tier(str(tmp_path), rows, cleanup_stale_tmp_after_seconds=None)
+    tier.shutdown()
+    assert all(os.path.exists(p) for p in stale + recent + other)
+
+    threads = set(threading.enumerate())
+    with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
+        _make_tier(str(tmp_path), rows, cleanup_stale_tmp_after_seconds=-1)
+    assert set(threading.enumerate()) <= threads, "raised after starting threads"

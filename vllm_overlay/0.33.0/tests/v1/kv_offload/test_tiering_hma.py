@@ -72,6 +72,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     ScheduleEndContext,
     get_offload_group_idx,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -657,69 +658,6 @@ def test_cold_restart_promotes_and_loads_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
-# Steps a cold request takes to settle: its files are looked up (RETRY), then
-# promoted (HIT_PENDING), then it hits; one more step for a promotion that
-# must wait for room.
-_MAX_SETTLE_STEPS = 5
-
-
-@pytest.mark.parametrize("num_requests", [1, 3])
-@pytest.mark.parametrize(
-    "layout", ["llama", "gemma3", "gemma4", "qwen3_5", "deepseek_v4", "two_full"]
-)
-def test_promotion_keeps_chunks_lookup_reported_ready(
-    model_config, tmp_path, layout, num_requests
-):
-    """Requests whose chunks are on disk, looked up together by the real
-    connector scheduler through a cold CPU tier that holds fewer chunks than
-    one request has. A promotion must not evict a chunk lookup already
-    reported ready to the same request (typically its chunk of another
-    group): the request would miss it on the next step, promote it again
-    and evict another of its chunks, deferred forever. Every request settles
-    within a few steps, and what it loads has the right bytes of every
-    group."""
-    root_dir = str(tmp_path / "fs")
-    engine = Engine(model_config, layout, root_dir, 64)
-    sched = engine.connector_scheduler()
-    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
-    sched.shutdown()
-    num_tokens = 3 * lcm + 1
-    requests = [
-        engine.request(f"req{r}", num_tokens, seed=r) for r in range(num_requests)
-    ]
-    per_request = store_requests(engine, requests) // num_requests
-
-    # a cold CPU tier that holds one chunk less than a request has
-    engine = Engine(model_config, layout, root_dir, per_request - 1)
-    sched = engine.connector_scheduler()
-    settled: dict[str, int] = {}
-    try:
-        for request in requests:
-            sched.on_new_request(request)
-        for step in range(1, _MAX_SETTLE_STEPS + 1):
-            loads = {}
-            for request in requests:
-                if request.request_id in settled:
-                    continue
-                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
-                if num_hit_tokens is None:
-                    continue  # deferred: a lookup or a promotion is in flight
-                settled[request.request_id] = step
-                if num_hit_tokens:
-                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
-            end_step(sched, loads)
-            if len(settled) == num_requests:
-                break
-        assert len(settled) == num_requests, (
-            f"deferred for {_MAX_SETTLE_STEPS} steps: "
-            f"{sorted(r.request_id for r in requests if r.request_id not in settled)}"
-        )
-        end_step(sched)
-        assert all(c in (-1, 0) for c in ref_cnts(tiering_manager(sched)))
-    finally:
-        sched.shutdown()
-
-
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 @pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
 def test_worker_slots_are_the_bytes_secondary_tiers_store(
@@ -788,3 +726,113 @@ def test_worker_slots_are_the_bytes_secondary_tiers_store(
         for region in workers:
             region.cleanup()
         manager.shutdown()
+
+
+# Steps a cold request takes to settle: its files are looked up (RETRY), then
+# promoted (HIT_PENDING), then it hits; one more step for a promotion that
+# must wait for room.
+_MAX_SETTLE_STEPS = 5
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+@pytest.mark.parametrize(
+    "layout", ["llama", "gemma3", "gemma4", "qwen3_5", "deepseek_v4", "two_full"]
+)
+def test_promotion_keeps_chunks_lookup_reported_ready(
+    model_config, tmp_path, layout, num_requests
+):
+    """Requests whose chunks are on disk, looked up together by the real
+    connector scheduler through a cold CPU tier that holds fewer chunks than
+    one request has. A promotion must not evict a chunk lookup already
+    reported ready to the same request (typically its chunk of another
+    group): the request would miss it on the next step, promote it again
+    and evict another of its chunks, deferred forever. Every request settles
+    within a few steps, and what it loads has the right bytes of every
+    group."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, layout, root_dir, 64)
+    sched = engine.connector_scheduler()
+    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
+    sched.shutdown()
+    num_tokens = 3 * lcm + 1
+    requests = [
+        engine.request(f"req{r}", num_tokens, seed=r) for r in range(num_requests)
+    ]
+    per_request = store_requests(engine, requests) // num_requests
+
+    # a cold CPU tier that holds one chunk less than a request has
+    engine = Engine(model_config, layout, root_dir, per_request - 1)
+    sched = engine.connector_scheduler()
+    settled: dict[str, int] = {}
+    try:
+        for request in requests:
+            sched.on_new_request(request)
+        for step in range(1, _MAX_SETTLE_STEPS + 1):
+            loads = {}
+            for request in requests:
+                if request.request_id in settled:
+                    continue
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+                if num_hit_tokens is None:
+                    continue  # deferred: a lookup or a promotion is in flight
+                settled[request.request_id] = step
+                if num_hit_tokens:
+                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
+            end_step(sched, loads)
+            if len(settled) == num_requests:
+                break
+        assert len(settled) == num_requests, (
+            f"deferred for {_MAX_SETTLE_STEPS} steps: "
+            f"{sorted(r.request_id for r in requests if r.request_id not in settled)}"
+        )
+        end_step(sched)
+        assert all(c in (-1, 0) for c in ref_cnts(tiering_manager(sched)))
+    finally:
+        sched.shutdown()
+
+
+def test_waiting_requests_leave_room_for_stores(model_config, tmp_path):
+    """Six requests wait on promotions through a CPU tier of 8 chunks (18
+    keys on disk) and pin what they were told is ready. Pins last only while
+    a request waits (a promotion that finds no room settles it), so they
+    never take half the tier: a running request's store finds room in every
+    step, and every waiting request settles."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, "llama", root_dir, 64)
+    requests = [engine.request(f"req{r}", 3 * 16 + 1, seed=r) for r in range(6)]
+    store_requests(engine, requests)
+
+    engine = Engine(model_config, "llama", root_dir, 8)  # cold, 18 keys on disk
+    sched = engine.connector_scheduler()
+    manager = tiering_manager(sched)
+    settled: set[str] = set()
+    try:
+        for request in requests:
+            sched.on_new_request(request)
+        for step in range(20):
+            loads = {}
+            for request in requests:
+                if request.request_id in settled:
+                    continue
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+                if num_hit_tokens is None:
+                    continue
+                settled.add(request.request_id)
+                if num_hit_tokens:
+                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
+            end_step(sched, loads)
+            assert sum(c > 0 for c in ref_cnts(manager)) <= 4
+            # a running request offloads two new chunks
+            ctx = ReqContext(f"running{step}")
+            keys = [make_offload_key(bytes([step, i]) * 16, 0) for i in range(2)]
+            with manager.lock:
+                manager.on_new_request(ctx)
+                out = manager.prepare_store(keys, ctx)
+                assert out is not None, f"step {step}: no room to store"
+                manager.complete_store(keys, ctx)
+                manager.on_request_finished(ctx)
+            if len(settled) == len(requests):
+                break
+        assert len(settled) == len(requests)
+    finally:
+        sched.shutdown()

@@ -1033,67 +1033,126 @@ def test_unloadable_path_is_a_miss_until_stored_again(fs_tier, monkeypatch, use_
     assert torch.equal(tensor[2], tensor[0])
 
 
-def test_start_up_removes_only_the_temp_files_of_dead_writers(tmp_path):
+def _fs_tier_on(root_dir, **kwargs) -> FileSystemTierManager:
+    tensor = _page_aligned_zero_tensor(_NUM_BLOCKS, _BLOCK_ELEMENTS)
+    return FileSystemTierManager(
+        offloading_spec=_MOCK_OFFLOADING_SPEC,
+        primary_kv_view=memoryview(tensor.numpy()),
+        tier_type="fs",
+        root_dir=str(root_dir),
+        n_read_threads=1,
+        n_write_threads=1,
+        **kwargs,
+    )
+
+
+def test_start_up_removes_only_stale_temp_files(tmp_path):
     """A writer killed between writing a block's temp file and renaming it
     leaves the temp file behind. A tier starting on the directory removes the
-    temp files of this host's dead writers, and keeps those of running
-    writers (several engines may share a directory), of other hosts and
-    without a writer in their name."""
-    import socket
-    import subprocess
-    import sys
-    import zlib
+    tier's temp files older than cleanup_stale_tmp_after_seconds (block and
+    O_DIRECT probe temp files) and keeps recent ones (a writer of another
+    engine sharing the directory may still rename them), blocks, and files
+    the tier did not write."""
+    tier = _fs_tier_on(tmp_path)
+    block = tier.file_mapper.get_file_name(key(1))
+    config_dir = os.path.dirname(tier.file_mapper.get_config_file_path())
+    tier.shutdown()
 
-    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+    os.makedirs(os.path.dirname(block), exist_ok=True)
+    stale = [f"{block}_1.tmp", os.path.join(config_dir, ".o_direct_probe_2.tmp")]
+    recent = [f"{block}_3.tmp"]
+    other = [block, f"{block}.tmp", os.path.join(config_dir, "notes_4.tmp")]
+    two_hours_ago = time.time() - 7200
 
-    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
-    other_host = f"{(int(host, 16) + 1) % 2**32:08x}"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    def write(paths, old):
+        for path in paths:
+            with open(path, "wb") as f:
+                f.write(b"x" * 10)
+            if old:
+                os.utime(path, (two_hours_ago, two_hours_ago))
 
+    write(stale + other, old=True)
+    write(recent, old=False)
+    tier = _fs_tier_on(tmp_path)  # default: older than an hour
+    try:
+        cleanup = getattr(tier, "_tmp_cleanup", None)  # the walk runs in the background
+        if cleanup is not None:
+            cleanup.join()
+        assert [os.path.exists(p) for p in stale] == [False] * len(stale)
+        assert all(os.path.exists(p) for p in recent + other)
+    finally:
+        tier.shutdown()
+
+    write(stale, old=True)
+    tier = _fs_tier_on(tmp_path, cleanup_stale_tmp_after_seconds=None)
+    tier.shutdown()
+    assert all(os.path.exists(p) for p in stale + recent + other)
+
+    with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
+        _fs_tier_on(tmp_path, cleanup_stale_tmp_after_seconds=-1)
+
+
+def test_failing_tier_reports_rate_limited_with_counts(
+    tmp_path, monkeypatch, caplog_vllm
+):
+    """A tier whose jobs all fail (e.g. a full disk) logs the first failure at
+    once, then at most one line per interval with the counts since its
+    previous line (pending counts are reported when the tier is polled after
+    the interval, and at shutdown): never one line per job."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+    from vllm.v1.kv_offload.tiering.fs import thread_pool
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(
+        thread_pool, "time", SimpleNamespace(monotonic=lambda: clock.now)
+    )
+    monkeypatch.setattr(fs_manager, "batch_store_block", disk_full)
     tensor = _page_aligned_zero_tensor(_NUM_BLOCKS, _BLOCK_ELEMENTS)
     tier = FileSystemTierManager(
         offloading_spec=_MOCK_OFFLOADING_SPEC,
         primary_kv_view=memoryview(tensor.numpy()),
         tier_type="fs",
         root_dir=str(tmp_path),
-        n_read_threads=1,
-        n_write_threads=1,
+        n_read_threads=2,
+        n_write_threads=2,
     )
-    # This process's writers put their host and pid in temp file names.
-    assert io_mod._get_tmp_suffix().startswith(f"_h{host}_{os.getpid()}_")
-    block = tier.file_mapper.get_file_name(key(1))
-    config_dir = os.path.dirname(tier.file_mapper.get_config_file_path())
-    tier.shutdown()
 
-    os.makedirs(os.path.dirname(block), exist_ok=True)
-    removed = [
-        f"{block}_h{host}_{dead.pid}_1.tmp",
-        os.path.join(config_dir, f".o_direct_probe_h{host}_{dead.pid}_2.tmp"),
-    ]
-    kept = [
-        f"{block}_h{host}_{os.getpid()}_3.tmp",
-        f"{block}_h{other_host}_{dead.pid}_4.tmp",
-        f"{block}_5.tmp",
-    ]
-    for path in removed + kept:
-        with open(path, "wb") as f:
-            f.write(b"x" * 10)
+    def store_jobs(first_job_id: int, n: int) -> None:
+        for job_id in range(first_job_id, first_job_id + n):
+            tier.submit_store(make_job(job_id, [key(2 * job_id), key(2 * job_id + 1)]))
+        assert [r.success for r in drain(tier)] == [False] * n
 
-    tier = FileSystemTierManager(
-        offloading_spec=_MOCK_OFFLOADING_SPEC,
-        primary_kv_view=memoryview(tensor.numpy()),
-        tier_type="fs",
-        root_dir=str(tmp_path),
-        n_read_threads=1,
-        n_write_threads=1,
-    )
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog_vllm.records if r.levelname == "ERROR"]
+
     try:
-        tier._tmp_cleanup.join()
-        assert [os.path.exists(p) for p in removed] == [False] * len(removed)
-        assert [os.path.exists(p) for p in kept] == [True] * len(kept)
+        store_jobs(0, 1)
+        assert len(errors()) == 1  # the first failure: at once
+        store_jobs(1, 3)  # within the interval: counted, not logged
+        tier.submit_load(make_job(10, [key(99)], [0], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [False]  # no such file
+        assert len(errors()) == 1, "one ERROR per failed job"
+        clock.now += thread_pool.FAILURE_REPORT_INTERVAL_S - 1
+        assert list(tier.get_finished_jobs()) == []
+        assert len(errors()) == 1
+        clock.now += 1  # the interval has passed: polling reports them
+        assert list(tier.get_finished_jobs()) == []
+        assert len(errors()) == 2
+        store_jobs(20, 1)  # within the new interval: left for shutdown
     finally:
         tier.shutdown()
+    label = f"'fs' KV offload tier at {tmp_path}"
+    assert [line.split(" (")[0] for line in errors()] == [
+        f"{label}: 1 store job(s) and 0 load job(s) failed since the previous report",
+        f"{label}: 3 store job(s) and 1 load job(s) failed since the previous report",
+        f"{label}: 1 store job(s) and 0 load job(s) failed since the previous report",
+    ]
+    assert errors()[0].endswith("[Errno 28] No space left on device")
 
 
 # ---------------------------------------------------------------------------

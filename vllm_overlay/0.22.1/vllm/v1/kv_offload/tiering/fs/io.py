@@ -8,12 +8,13 @@ import logging
 import mmap
 import os
 import random
-import re
-import socket
 import stat
 import threading
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import regex as re
 
 try:
     import xxhash
@@ -28,69 +29,48 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
 
-# Temporary files are named <path>_h<host>_<pid>_<random>.tmp: the writer's
-# host (a hash of its name) and process id tell, at start-up, which ones a
-# dead writer left behind (see remove_stale_tmp_files()).
-_HOST_ID = f"{zlib.crc32(socket.gethostname().encode()):08x}"
-_TMP_NAME = re.compile(r"_h([0-9a-f]{8})_(\d+)_\d+\.tmp$")
+# The fs tier's temp files, see _get_tmp_suffix(): a block's
+# (<hash_hex>.bin_<n>.tmp), the O_DIRECT probe's (.direct_io_probe_<n>.tmp)
+# and config.json's (config.json_<n>.tmp).
+_TMP_NAME_RE = re.compile(r"(?:\.bin|\.direct_io_probe|^config\.json)_[0-9]+\.tmp$")
 
 
 def _get_tmp_suffix() -> str:
-    """Generate a thread-local unique suffix for temporary files, naming
-    this host and process (a forked child gets its own)."""
-    pid = os.getpid()
-    cached = getattr(_thread_local, "tmp_suffix", None)
-    if cached is None or cached[0] != pid:
-        suffix = f"_h{_HOST_ID}_{pid}_{random.randint(0, 2**63 - 1)}.tmp"
-        cached = _thread_local.tmp_suffix = (pid, suffix)
-    return cached[1]
-
-
-def _pid_alive(pid: int) -> bool:
+    """Generate a thread-local unique suffix for temporary files."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. EPERM: it exists, as another user's process
-        return True
-    return True
+        return _thread_local.tmp_suffix
+    except AttributeError:
+        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
+        return _thread_local.tmp_suffix
 
 
 def remove_stale_tmp_files(
-    directory: str, stop: threading.Event | None = None
+    directories: Iterable[str], max_age_s: float, stop: threading.Event
 ) -> tuple[int, int]:
-    """Remove the temporary files under *directory* that writers of this
-    host which are no longer running left behind (killed between creating
-    and renaming them). Files of running writers (several engines may share
-    a directory), of other hosts, and without a writer in their name (from
-    older versions) are kept: a file is only removed when its writer is
-    known to be dead. Stops early when *stop* is set.
-
-    Returns:
-        The number of files removed and their bytes.
+    """Remove this module's temp files under *directories* that were last
+    modified more than *max_age_s* seconds ago: left by writers killed between
+    writing a block and renaming it into place (a live writer renames within
+    milliseconds). Several engines may share a directory, so age is the only
+    evidence a writer is gone. Other files are kept. Returns the number and
+    bytes of the removed files. Stops early when *stop* is set.
     """
+    oldest_kept = time.time() - max_age_s
     removed = removed_bytes = 0
-    dead: dict[int, bool] = {}
-    for dirpath, _, filenames in os.walk(directory):
-        if stop is not None and stop.is_set():
-            break
-        for name in filenames:
-            match = _TMP_NAME.search(name)
-            if match is None or match.group(1) != _HOST_ID:
-                continue
-            pid = int(match.group(2))
-            if pid not in dead:
-                dead[pid] = not _pid_alive(pid)
-            if not dead[pid]:
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                size = os.lstat(path).st_size
-                os.remove(path)
-            except OSError:
-                continue  # removed by another engine, or not removable
-            removed += 1
-            removed_bytes += size
+    for directory in directories:
+        for dirpath, _, filenames in os.walk(directory):
+            if stop.is_set():
+                return removed, removed_bytes
+            for name in filenames:
+                if _TMP_NAME_RE.search(name) is None:
+                    continue
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode) or st.st_mtime > oldest_kept:
+                        continue
+                    os.remove(path)
+                    removed += 1
+                    removed_bytes += st.st_size
     return removed, removed_bytes
 
 

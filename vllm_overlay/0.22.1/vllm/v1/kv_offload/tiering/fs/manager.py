@@ -93,6 +93,7 @@ class FileSystemTierManager(SecondaryTierManager):
         root_dir: str,
         n_read_threads: int = 16,
         n_write_threads: int = 16,
+        cleanup_stale_tmp_after_seconds: float | None = 3600.0,
         checksum: str = "none",
     ):
         """
@@ -104,6 +105,9 @@ class FileSystemTierManager(SecondaryTierManager):
             root_dir: Root directory for block files.
             n_read_threads: Number of read-priority I/O threads.
             n_write_threads: Number of write-priority I/O threads.
+            cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
+                temp files not modified for this long (left by writers
+                killed between writing a block and renaming it); None: never.
             checksum: "none" (the default), "xxh3_64" (needs the xxhash
                 package) or "crc32" (zlib): store a checksum of each block's
                 key and bytes with the block and check it on every load; a
@@ -111,6 +115,13 @@ class FileSystemTierManager(SecondaryTierManager):
                 a flipped bit) makes the key a miss. Part of the file
                 layout: each setting has its own directory.
         """
+        if cleanup_stale_tmp_after_seconds is not None and (
+            cleanup_stale_tmp_after_seconds < 0
+        ):
+            raise ValueError(
+                f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
+                f"be >= 0 or null (no cleanup), got {cleanup_stale_tmp_after_seconds}"
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
 
         # Extract block size from primary view
@@ -188,18 +199,25 @@ class FileSystemTierManager(SecondaryTierManager):
             label=f"{tier_type} tier at {root_dir}",
         )
 
-        # Temporary files of writers killed mid-store are never renamed:
-        # remove them in the background (a walk of this rank's block
-        # directory, and of the config's for the O_DIRECT probe's file).
-        block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        # Remove the temp files of writers that died between writing a block
+        # and renaming it into place, in the background (the walk can be long):
+        # this rank's block directory, and the config's (the O_DIRECT probe's
+        # and config.json's).
         self._stop_tmp_cleanup = threading.Event()
-        self._tmp_cleanup = threading.Thread(
-            target=self._remove_stale_tmp_files,
-            args=((os.path.dirname(config_path), block_dir), root_dir),
-            name="vllm_kv_py_fs_tmp_cleanup",
-            daemon=True,
-        )
-        self._tmp_cleanup.start()
+        self._tmp_cleanup: threading.Thread | None = None
+        if cleanup_stale_tmp_after_seconds is not None:
+            block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+            self._tmp_cleanup = threading.Thread(
+                target=self._remove_stale_tmp_files,
+                args=(
+                    (os.path.dirname(config_path), block_dir),
+                    cleanup_stale_tmp_after_seconds,
+                    root_dir,
+                ),
+                name="vllm_kv_py_fs_tmp_cleanup",
+                daemon=True,
+            )
+            self._tmp_cleanup.start()
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of this directory's files) unless it
@@ -245,14 +263,12 @@ class FileSystemTierManager(SecondaryTierManager):
             )
 
     def _remove_stale_tmp_files(
-        self, directories: tuple[str, ...], root_dir: str
+        self, directories: tuple[str, ...], max_age_s: float, root_dir: str
     ) -> None:
-        removed = removed_bytes = 0
         try:
-            for directory in directories:
-                n, n_bytes = remove_stale_tmp_files(directory, self._stop_tmp_cleanup)
-                removed += n
-                removed_bytes += n_bytes
+            removed, removed_bytes = remove_stale_tmp_files(
+                directories, max_age_s, self._stop_tmp_cleanup
+            )
         except Exception as e:
             logger.warning(
                 "fs_python tier at %s: could not remove stale temporary files: %s",
@@ -262,11 +278,12 @@ class FileSystemTierManager(SecondaryTierManager):
             return
         if removed:
             logger.info(
-                "fs_python tier at %s: removed %d temporary file(s) (%d bytes) "
-                "left by writers that are no longer running",
+                "fs_python tier at %s: removed %d stale temporary file(s) "
+                "(%d bytes, not modified for %.0f s)",
                 root_dir,
                 removed,
                 removed_bytes,
+                max_age_s,
             )
 
     def lookup(
@@ -403,5 +420,6 @@ class FileSystemTierManager(SecondaryTierManager):
         active threads to complete.
         """
         self._stop_tmp_cleanup.set()
-        self._tmp_cleanup.join()
+        if self._tmp_cleanup is not None:
+            self._tmp_cleanup.join()
         self._pool.shutdown(wait=True)

@@ -7,10 +7,9 @@ import logging
 import mmap
 import os
 import random
-import socket
 import stat
 import threading
-import zlib
+import time
 from collections.abc import Iterable
 
 import regex as re
@@ -35,81 +34,47 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
 
-
-def _reset_thread_local() -> None:
-    # A forked child has another pid: it must not reuse its parent's suffix.
-    global _thread_local
-    _thread_local = threading.local()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_thread_local)
-
-
-def _host_id() -> str:
-    """This host, as it appears in temp file names (a CRC32 of its name)."""
-    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
-
-
-# Temp file names written by _get_tmp_suffix(): <path>_h<host>_<pid>_<n>.tmp
-_TMP_NAME_RE = re.compile(r"_h([0-9a-f]{8})_([0-9]+)_[0-9]+\.tmp$")
+# The temp files this module writes: a block's (<hash_hex>.bin_<n>.tmp) and the
+# O_DIRECT probe's (.o_direct_probe_<n>.tmp), see _get_tmp_suffix().
+_TMP_NAME_RE = re.compile(r"(?:\.bin|\.o_direct_probe)_[0-9]+\.tmp$")
 
 
 def _get_tmp_suffix() -> str:
-    """Generate a thread-local unique suffix for temporary files. It names the
-    writer's host and process, so that remove_dead_writers_tmp_files() can
-    tell the temp files of dead writers from those still being written."""
+    """Generate a thread-local unique suffix for temporary files."""
     try:
         return _thread_local.tmp_suffix
     except AttributeError:
-        _thread_local.tmp_suffix = (
-            f"_h{_host_id()}_{os.getpid()}_{random.randint(0, 2**63 - 1)}.tmp"
-        )
+        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
         return _thread_local.tmp_suffix
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # e.g. EPERM: it exists but belongs to another user
-    return True
-
-
-def remove_dead_writers_tmp_files(
-    directories: Iterable[str], stop: threading.Event
+def remove_stale_tmp_files(
+    directories: Iterable[str], max_age_s: float, stop: threading.Event
 ) -> tuple[int, int]:
-    """Remove the temp files left under *directories* by writers of this host
-    that are no longer running (killed between writing a block and renaming
-    it into place). Temp files of running writers (several engines may share
-    a directory), of other hosts and without a writer in their name (older
-    versions) are kept. Returns the number and bytes of the removed files.
-    Stops early when *stop* is set.
+    """Remove this module's temp files under *directories* that were last
+    modified more than *max_age_s* seconds ago: left by writers killed between
+    writing a block and renaming it into place (a live writer renames within
+    milliseconds). Several engines may share a directory, so age is the only
+    evidence a writer is gone. Other files are kept. Returns the number and
+    bytes of the removed files. Stops early when *stop* is set.
     """
-    host = _host_id()
+    oldest_kept = time.time() - max_age_s
     removed = removed_bytes = 0
-    running: dict[int, bool] = {}
     for directory in directories:
         for dirpath, _, filenames in os.walk(directory):
             if stop.is_set():
                 return removed, removed_bytes
             for name in filenames:
-                match = _TMP_NAME_RE.search(name)
-                if match is None or match.group(1) != host:
-                    continue
-                pid = int(match.group(2))
-                if pid not in running:
-                    running[pid] = _is_running(pid)
-                if running[pid]:
+                if _TMP_NAME_RE.search(name) is None:
                     continue
                 path = os.path.join(dirpath, name)
                 with contextlib.suppress(OSError):
-                    size = os.lstat(path).st_size
+                    st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode) or st.st_mtime > oldest_kept:
+                        continue
                     os.remove(path)
                     removed += 1
-                    removed_bytes += size
+                    removed_bytes += st.st_size
     return removed, removed_bytes
 
 

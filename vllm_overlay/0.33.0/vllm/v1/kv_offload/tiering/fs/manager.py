@@ -55,7 +55,7 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     batch_store_block,
     holds_no_block,
     probe_o_direct,
-    remove_dead_writers_tmp_files,
+    remove_stale_tmp_files,
 )
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
@@ -120,6 +120,7 @@ class FileSystemTierManager(SecondaryTierManager):
         enable_kv_events: bool = False,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        cleanup_stale_tmp_after_seconds: float | None = 3600.0,
     ):
         """Args:
         offloading_spec: Contains normalized offloading configuration and
@@ -135,8 +136,19 @@ class FileSystemTierManager(SecondaryTierManager):
         locality: Whether this tier's storage is LOCAL or REMOTE relative
             to the publishing vLLM instance.
         backpressure_detector: Optional backpressure detector.
+        cleanup_stale_tmp_after_seconds: At start-up, remove the temp files
+            under root_dir not modified for this long (left by writers
+            killed between writing a block and renaming it); None: never.
 
         """
+        if cleanup_stale_tmp_after_seconds is not None and (
+            cleanup_stale_tmp_after_seconds < 0
+        ):
+            raise ValueError(
+                "cleanup_stale_tmp_after_seconds of the "
+                f"'{tier_type}' tier must be >= 0 or null (no cleanup), got "
+                f"{cleanup_stale_tmp_after_seconds}"
+            )
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
@@ -220,6 +232,7 @@ class FileSystemTierManager(SecondaryTierManager):
             n_read_threads,
             n_write_threads,
             thread_name_prefix="vllm_kv_py_fs",
+            label=f"'{tier_type}' KV offload tier at {root_dir}",
         )
 
         self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=self.tier_type)
@@ -227,29 +240,33 @@ class FileSystemTierManager(SecondaryTierManager):
         # Remove the temp files of writers that died between writing a block
         # and renaming it into place, in the background (the walk can be long).
         self._tmp_cleanup_stop = threading.Event()
-        self._tmp_cleanup = threading.Thread(
-            target=self._remove_dead_writers_tmp_files,
-            args=(
-                [
-                    f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
-                    os.path.dirname(config_path),
-                ],
-            ),
-            name="vllm_kv_py_fs_tmp_cleanup",
-            daemon=True,
-        )
-        self._tmp_cleanup.start()
+        self._tmp_cleanup: threading.Thread | None = None
+        if cleanup_stale_tmp_after_seconds is not None:
+            self._tmp_cleanup = threading.Thread(
+                target=self._remove_stale_tmp_files,
+                args=(
+                    [
+                        f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
+                        os.path.dirname(config_path),
+                    ],
+                    cleanup_stale_tmp_after_seconds,
+                ),
+                name="vllm_kv_py_fs_tmp_cleanup",
+                daemon=True,
+            )
+            self._tmp_cleanup.start()
 
-    def _remove_dead_writers_tmp_files(self, directories: list[str]) -> None:
-        removed, removed_bytes = remove_dead_writers_tmp_files(
-            directories, self._tmp_cleanup_stop
+    def _remove_stale_tmp_files(self, directories: list[str], max_age_s: float) -> None:
+        removed, removed_bytes = remove_stale_tmp_files(
+            directories, max_age_s, self._tmp_cleanup_stop
         )
         if removed:
             logger.info(
-                "Removed %d temp files (%d bytes) of dead writers under %s for "
-                "the '%s' KV offload tier.",
+                "Removed %d stale temp files (%d bytes, older than %.0f s) under "
+                "%s for the '%s' KV offload tier.",
                 removed,
                 removed_bytes,
+                max_age_s,
                 directories,
                 self.tier_type,
             )
@@ -423,6 +440,7 @@ class FileSystemTierManager(SecondaryTierManager):
         clearing pending tasks and waiting for active threads to complete.
         """
         self._tmp_cleanup_stop.set()
-        self._tmp_cleanup.join()
+        if self._tmp_cleanup is not None:
+            self._tmp_cleanup.join()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
