@@ -169,10 +169,27 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=drop)
 
 
+def _mapped_by_other_processes() -> set[str]:
+    """Regions another running process maps: those of a test session running beside this
+    one (another checkout, a CI job) are not this session's leaks."""
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        if maps == f"/proc/{os.getpid()}/maps":
+            continue
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[5].strip() for line in f
+                              if "/dev/shm/vllm_offload_" in line)
+        except (OSError, IndexError):
+            continue  # the process ended, or is not ours to read
+    return mapped
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _xdist_worker(session.config):
         return  # the controller removes what is left, after every worker has finished
-    leaked = [p for p in glob.glob(SHM_REGIONS) if p not in _regions_before]
+    in_use = _mapped_by_other_processes()
+    leaked = [p for p in glob.glob(SHM_REGIONS) if p not in _regions_before and p not in in_use]
     size = 0
     for path in leaked:
         try:
