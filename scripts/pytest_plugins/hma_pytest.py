@@ -119,14 +119,8 @@ def _few_cores() -> bool:
 
 
 _DEADLINE_BOUND = "deadline-bound multi-process test: misses its deadlines on a 2-core machine"
-for _name in ("test_multi_worker_race_exactly_one_creator",
-              "test_multi_worker_race_shared_memory_visible",
-              "test_multiprocess_race_construct_and_write",
-              "test_create_next_worker_view_multiprocess_slots"):
-    NOT_RUNNABLE[f"tests/v1/kv_offload/cpu/test_shared_offload_region.py::{_name}"] = (
-        _few_cores, _DEADLINE_BOUND)
-NOT_RUNNABLE["tests/v1/kv_offload/tiering/p2p/test_manager.py::"
-             "test_lookup_expiry_allows_zmq_reconnect"] = (_few_cores, _DEADLINE_BOUND)
+for _prefix in SERIAL:  # the same tests run_tests.py keeps out of xdist
+    NOT_RUNNABLE[_prefix] = (_few_cores, _DEADLINE_BOUND)
 
 
 _HMA_ON_UNSPECIFIED = ("platform \"unspecified\" (no CUDA here): it reports hybrid KV cache "
