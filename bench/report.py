@@ -18,7 +18,7 @@ from plot import plot_rows
 
 GOAL_RATIO = 1.10  # patched / pristine; G groups / 1 group per key
 GOAL_FS = 0.9  # fs tier / raw, rows >= 64 KiB
-GOAL_HMA = 0.8  # 4 groups / 1 group, per-token throughput
+GOAL_HMA = 0.8  # tier's 4 groups / 1 group over raw's, per-token throughput
 LINEAR = 1.5  # promotion time may grow at most 1.5x as fast as the number of keys
 
 
@@ -36,6 +36,11 @@ def tratio(a, b):
     if not a or not b:
         return None
     return min(a) / min(b), med(a) / med(b)
+
+
+def over(a, b):
+    """(best, median) of a / b for two (best, median) ratios; None when either is missing."""
+    return None if a is None or b is None else (a[0] / b[0], a[1] / b[1])
 
 
 def rcell(r):
@@ -356,32 +361,39 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
         "chunks per round: G groups write G files of 1/G the size per chunk, the same bytes "
         "and tokens for every G, through the fs tier (one job, every file its own task) "
         "and raw (one task per file; serial: one task per chunk, its G files in sequence). "
-        "MB/s: median (best); vs 1 group: best (median).",
+        "MB/s: median (best); vs 1 group: best (median). G files of 1/G the size cost the "
+        "disk itself (raw) more than one file: the goal is that the tier adds no cost of its "
+        "own, i.e. its 4-group / 1-group ratio over raw's.",
         "",
         "| groups | file | store tier | vs 1 group | load tier | vs 1 group "
-        "| store raw | load raw | load raw serial |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| store raw | vs 1 group | load raw | vs 1 group | load raw serial |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base, judged = None, []
     for r in d["hma"]:
         nbytes = r["chunk_bytes"] * r["chunks"]
         t, w = r["tier"], r["raw"]
         if r["groups"] == 1:
-            base = t
-        vs_s = tratio(base["store_s"], t["store_s"]) if base else None
-        vs_l = tratio(base["load_s"], t["load_s"]) if base else None
+            base = r
+        vs = {
+            (side, op): tratio(base[side][f"{op}_s"], r[side][f"{op}_s"]) if base else None
+            for side in ("tier", "raw")
+            for op in ("store", "load")
+        }
         if r["groups"] == 4:
-            judged = [(vs_s, "store"), (vs_l, "load")]
+            judged = [(over(vs["tier", op], vs["raw", op]), op) for op in ("store", "load")]
         serial = r.get("raw_serial", {}).get("load_s")
         out.append(
             f"| {r['groups']} | {fmt_bytes(r['row_bytes'])} | {tput(nbytes, t['store_s'])} | "
-            f"{rcell(vs_s)} | {tput(nbytes, t['load_s'])} | {rcell(vs_l)} | "
-            f"{tput(nbytes, w['store_s'])} | {tput(nbytes, w['load_s'])} | "
-            f"{tput(nbytes, serial) if serial else '-'} |"
+            f"{rcell(vs['tier', 'store'])} | {tput(nbytes, t['load_s'])} | "
+            f"{rcell(vs['tier', 'load'])} | {tput(nbytes, w['store_s'])} | "
+            f"{rcell(vs['raw', 'store'])} | {tput(nbytes, w['load_s'])} | "
+            f"{rcell(vs['raw', 'load'])} | {tput(nbytes, serial) if serial else '-'} |"
         )
     judge(
         goals,
-        "4 groups >= 0.8x one group's per-token disk throughput (fs tier)",
+        "the fs tier adds no HMA cost of its own: 4 groups / 1 group, per-token throughput, "
+        ">= 0.8x raw file-per-block I/O's",
         judged,
         GOAL_HMA,
         "{}",
