@@ -13,12 +13,16 @@ the primary tier's rows, and a load job's rows are checked against them.
 """
 
 import dataclasses
+import errno
 import json
 import math
 import mmap
 import os
+import shutil
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -68,6 +72,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.kv_offload.base import (
+    LookupResult,
     OffloadKey,
     ReqContext,
     ScheduleEndContext,
@@ -590,6 +595,27 @@ def end_step(
     finish_tier_io(manager)
 
 
+def settle_step(
+    sched: OffloadingConnectorScheduler,
+    requests: list[Request],
+    settled: set[str],
+) -> None:
+    """One engine step of requests waiting to settle: each one not in settled
+    is looked up; one that is not deferred settles (added to settled) and
+    loads its hit; then end_step()."""
+    loads = {}
+    for request in requests:
+        if request.request_id in settled:
+            continue
+        num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+        if num_hit_tokens is None:
+            continue  # deferred: a lookup or a promotion is in flight
+        settled.add(request.request_id)
+        if num_hit_tokens:
+            loads[request.request_id] = allocate(sched, request, num_hit_tokens)
+    end_step(sched, loads)
+
+
 def expected_hit_tokens(sched: OffloadingConnectorScheduler, num_tokens: int) -> int:
     """Every group hits up to the last complete chunk of the coarsest group
     (sliding window and mamba groups leave the last token to compute)."""
@@ -606,6 +632,11 @@ def expected_hit_tokens(sched: OffloadingConnectorScheduler, num_tokens: int) ->
 # ---------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------
+
+# The most steps a request takes to settle through a cold CPU tier: its files
+# are looked up (RETRY), then promoted (HIT_PENDING), then it hits. Step counts
+# are exact: each step waits for the tier I/O it submitted (finish_tier_io).
+_COLD_SETTLE_STEPS = 3
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
@@ -638,7 +669,7 @@ def test_cold_restart_promotes_and_loads_every_group(
     manager = tiering_manager(sched)
     try:
         sched.on_new_request(request)
-        for _ in range(4):  # file lookup, promotion, hit
+        for _ in range(_COLD_SETTLE_STEPS):
             num_hit_tokens, is_async = sched.get_num_new_matched_tokens(request, 0)
             if num_hit_tokens is not None:
                 break
@@ -685,19 +716,20 @@ def test_worker_slots_are_the_bytes_secondary_tiers_store(
         assert slot % mmap.PAGESIZE != 0  # the case the test is about
 
     manager = spec.get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    # the regions TieringOffloadingSpec.create_worker maps, one per rank
-    workers = [
-        SharedOffloadRegion(
-            engine_id=spec._engine_id,
-            num_chunks=spec.num_chunks,
-            rank=rank,
-            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-            cpu_page_size=slot,
-        )
-        for rank in range(2)
-    ]
+    workers: list[SharedOffloadRegion] = []
     try:
+        assert isinstance(manager, TieringOffloadingManager)
+        # the regions TieringOffloadingSpec.create_worker maps, one per rank
+        for rank in range(2):
+            workers.append(
+                SharedOffloadRegion(
+                    engine_id=config.engine_id,
+                    num_chunks=spec.num_chunks,
+                    rank=rank,
+                    kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                    cpu_page_size=slot,
+                )
+            )
         ctx = ReqContext("req0")
         with manager.lock:
             manager.on_new_request(ctx)
@@ -726,12 +758,6 @@ def test_worker_slots_are_the_bytes_secondary_tiers_store(
         for region in workers:
             region.cleanup()
         manager.shutdown()
-
-
-# Steps a cold request takes to settle: its files are looked up (RETRY), then
-# promoted (HIT_PENDING), then it hits; one more step for a promotion that
-# must wait for room.
-_MAX_SETTLE_STEPS = 5
 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
@@ -763,26 +789,16 @@ def test_promotion_keeps_chunks_lookup_reported_ready(
     # a cold CPU tier that holds one chunk less than a request has
     engine = Engine(model_config, layout, root_dir, per_request - 1)
     sched = engine.connector_scheduler()
-    settled: dict[str, int] = {}
+    settled: set[str] = set()
     try:
         for request in requests:
             sched.on_new_request(request)
-        for step in range(1, _MAX_SETTLE_STEPS + 1):
-            loads = {}
-            for request in requests:
-                if request.request_id in settled:
-                    continue
-                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
-                if num_hit_tokens is None:
-                    continue  # deferred: a lookup or a promotion is in flight
-                settled[request.request_id] = step
-                if num_hit_tokens:
-                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
-            end_step(sched, loads)
+        for _ in range(_COLD_SETTLE_STEPS):
+            settle_step(sched, requests, settled)
             if len(settled) == num_requests:
                 break
         assert len(settled) == num_requests, (
-            f"deferred for {_MAX_SETTLE_STEPS} steps: "
+            f"deferred for {_COLD_SETTLE_STEPS} steps: "
             f"{sorted(r.request_id for r in requests if r.request_id not in settled)}"
         )
         end_step(sched)
@@ -809,18 +825,8 @@ def test_waiting_requests_leave_room_for_stores(model_config, tmp_path):
     try:
         for request in requests:
             sched.on_new_request(request)
-        for step in range(20):
-            loads = {}
-            for request in requests:
-                if request.request_id in settled:
-                    continue
-                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
-                if num_hit_tokens is None:
-                    continue
-                settled.add(request.request_id)
-                if num_hit_tokens:
-                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
-            end_step(sched, loads)
+        for step in range(_COLD_SETTLE_STEPS):
+            settle_step(sched, requests, settled)
             assert sum(c > 0 for c in ref_cnts(manager)) <= 4
             # a running request offloads two new chunks
             ctx = ReqContext(f"running{step}")
@@ -836,3 +842,424 @@ def test_waiting_requests_leave_room_for_stores(model_config, tmp_path):
         assert len(settled) == len(requests)
     finally:
         sched.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# Randomized sequences (hypothesis): the scheduler's calls, the workers'
+# completions, cache resets and disk faults interleaved, with the invariants
+# checked after every engine step
+# ---------------------------------------------------------------------------
+
+# HMA_SOAK_EXAMPLES=5000 runs a long randomized soak instead of the short,
+# derandomized run that CI gets.
+_SOAK_EXAMPLES = int(os.environ.get("HMA_SOAK_EXAMPLES", "0"))
+# layouts of 1, 2, 3 and 4 KV cache groups
+_RANDOM_LAYOUTS = ["llama", "gemma3", "gemma4", "qwen3_5"]
+_RANDOM_HASHES = 4  # chunk hashes per layout: requests are prefixes of them
+_RANDOM_CPU_CHUNKS = 8  # fewer than the keys of 4 groups: evictions happen
+# A request left alone settles within this many engine steps (file lookup,
+# promotion, hit), and no chunk stays in flight for longer.
+_SETTLE_STEPS = 3
+# A worker reports a GPU<->CPU job done at most this many steps after it.
+_MAX_JOB_STEPS = 2
+
+
+def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatch):
+    """Random interleavings of lookups (promotions from the fs tier), loads
+    and stores (prepare, then completed by the workers up to two steps later,
+    failed GPU copies included), request ends, reset_cache (with jobs still in
+    flight), block files removed or truncated (or the whole root removed)
+    behind the tier's back and injected I/O errors of the fs tier's threads,
+    over real layouts of 1-4 KV cache groups, through the real
+    TieringOffloadingManager, CPU primary tier and fs tier. After every engine
+    step: every ref count is the number of transfers and pins holding the
+    chunk (-1 only while written), no slot is both used and free and none is
+    lost, every ready chunk holds the bytes stored for its key and every load
+    reads them until its worker reports it, no chunk stays in flight, no .tmp
+    file is left once the tier's jobs finished, no block file lies without
+    its config.json; a request left alone settles within a few steps."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        initialize,
+        precondition,
+        rule,
+        run_state_machine_as_test,
+    )
+
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    # injected I/O errors: the next n block batches read or written fail
+    faults = {"budget": 0}
+    faults_lock = threading.Lock()
+
+    def failing(io_fn):
+        def wrapper(*args, **kwargs):
+            with faults_lock:
+                fail = faults["budget"] > 0
+                faults["budget"] -= fail
+            if fail:
+                raise OSError(errno.EIO, "injected I/O error")
+            return io_fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("batch_store_block", "batch_load_block"):
+        monkeypatch.setattr(fs_manager, name, failing(getattr(fs_manager, name)))
+
+    root_dir = str(tmp_path / "fs")
+    engines = {
+        layout: Engine(model_config, layout, root_dir, _RANDOM_CPU_CHUNKS)
+        for layout in _RANDOM_LAYOUTS
+    }
+    counts: Counter = Counter()
+
+    class Job:
+        """A GPU<->CPU job the workers run (and report) later."""
+
+        def __init__(self, keys, chunk_ids, ctx, store, success=True):
+            self.keys, self.chunk_ids, self.ctx = keys, list(chunk_ids), ctx
+            self.store, self.success, self.age = store, success, 0
+
+    class TieringMachine(RuleBasedStateMachine):
+        manager: TieringOffloadingManager | None = None
+
+        @initialize(layout=st.sampled_from(_RANDOM_LAYOUTS))
+        def start(self, layout: str) -> None:
+            counts["sequences"] += 1
+            faults["budget"] = 0
+            shutil.rmtree(root_dir, ignore_errors=True)
+            engine = engines[layout]
+            manager = engine.spec().get_manager()
+            assert isinstance(manager, TieringOffloadingManager)
+            self.manager = manager
+            (tier,) = manager.secondary_tiers
+            assert isinstance(tier, FileSystemTierManager)
+            self.tier = tier
+            self.groups = len(GPU_BLOCK_SIZES[layout])
+            self.rows = cpu_rows(manager)
+            self.hashes = [
+                f"{layout}-chunk{c}".encode().ljust(32, b"\0")
+                for c in range(_RANDOM_HASHES)
+            ]
+            self.ctxs: dict[int, ReqContext] = {}  # running requests
+            self.generation = 0
+            self.ready: dict[int, list[OffloadKey]] = {}  # lookups of the step
+            self.jobs: list[Job] = []  # reported by the workers later
+            self.fenced: list[Job] | None = None  # flushed by a reset
+            # slots GPU stores wrote since the reset (the workers run the
+            # flushed loads before any new store)
+            self.stored_since_reset: set[int] = set()
+            self.in_flight: dict[OffloadKey, int] = {}  # key -> steps in flight
+
+        def keys(self, n: int) -> list[OffloadKey]:
+            """The keys of request n: its first n chunks, every group."""
+            return [
+                make_offload_key(h, g)
+                for h in self.hashes[:n]
+                for g in range(self.groups)
+            ]
+
+        def ctx(self, n: int) -> ReqContext:
+            assert self.manager is not None
+            ctx = self.ctxs.get(n)
+            if ctx is None:
+                self.generation += 1
+                ctx = self.ctxs[n] = ReqContext(f"req{n}-{self.generation}")
+                self.manager.on_new_request(ctx)
+            return ctx
+
+        def lookup_request(self, n: int) -> bool:
+            """The connector's maximal prefix lookup; whether it deferred."""
+            assert self.manager is not None
+            hits, deferred = [], False
+            for key in self.keys(n):
+                result = self.manager.lookup(key, self.ctx(n))
+                if result in (LookupResult.RETRY, LookupResult.HIT_PENDING):
+                    deferred = True
+                elif result is LookupResult.MISS:
+                    break
+                else:
+                    hits.append(key)
+            if not deferred:
+                self.ready[n] = hits
+            counts["lookups deferred" if deferred else "lookups settled"] += 1
+            return deferred
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(
+            lookups=st.lists(
+                st.tuples(st.integers(1, _RANDOM_HASHES), st.booleans()), max_size=3
+            ),
+            stores=st.lists(
+                st.tuples(
+                    st.integers(1, _RANDOM_HASHES),
+                    st.sampled_from([True] * 7 + [False]),
+                ),
+                max_size=2,
+            ),
+            report=st.booleans(),
+        )
+        def engine_step(
+            self,
+            lookups: list[tuple[int, bool]],
+            stores: list[tuple[int, bool]],
+            report: bool,
+        ) -> None:
+            """One engine step as the connector drives it: requests looked up
+            (each loading what was reported ready, or not), then the step's
+            stores; the workers report the jobs (or only the old ones)."""
+            counts["rules"] += 1
+            assert self.manager is not None
+            with self.manager.lock:
+                for n, load in lookups:
+                    if not self.lookup_request(n) and load and self.ready.get(n):
+                        self.load(n)
+                for n, success in stores:
+                    self.store(n, success)
+            self.finish_step(report)
+
+        def load(self, n: int) -> None:
+            """CPU->GPU load of what the lookup of request n reported ready."""
+            assert self.manager is not None
+            keys = self.ready.pop(n)
+            spec = self.manager.prepare_load(keys, self.ctx(n))
+            assert isinstance(spec, CPULoadStoreSpec)
+            self.jobs.append(Job(keys, spec.chunk_ids, self.ctx(n), store=False))
+            counts["chunks loaded"] += len(keys)
+
+        def store(self, n: int, success: bool) -> None:
+            """GPU->CPU store of request n's chunks (a failed copy writes
+            garbage); the worker reports it later."""
+            assert self.manager is not None
+            out = self.manager.prepare_store(self.keys(n), self.ctx(n))
+            if out is None or not out.keys_to_store:
+                return
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
+            keys = list(out.keys_to_store)
+            self.stored_since_reset.update(out.store_spec.chunk_ids)
+            for key, chunk_id in zip(keys, out.store_spec.chunk_ids):
+                self.rows[chunk_id] = (
+                    chunk_bytes(key, self.rows.shape[1]) if success else 0xEE
+                )
+            self.jobs.append(
+                Job(keys, out.store_spec.chunk_ids, self.ctx(n), True, success)
+            )
+
+        def check_read(self, job: Job, skip: Iterable[int] = ()) -> None:
+            """The CPU->GPU copy double: the rows a load reads hold its keys'
+            bytes until the worker reports it."""
+            for key, chunk_id in zip(job.keys, job.chunk_ids):
+                if chunk_id in skip:
+                    continue
+                np.testing.assert_array_equal(
+                    self.rows[chunk_id],
+                    chunk_bytes(key, self.rows.shape[1]),
+                    err_msg="a load read bytes that are not its key's",
+                )
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(n=st.integers(1, _RANDOM_HASHES))
+        def finish_request(self, n: int) -> None:
+            """Request n ends (its jobs may still be in flight)."""
+            counts["rules"] += 1
+            assert self.manager is not None
+            ctx = self.ctxs.pop(n, None)
+            if ctx is not None:
+                self.ready.pop(n, None)
+                with self.manager.lock:
+                    self.manager.on_request_finished(ctx)
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(n=st.integers(1, 4))
+        def inject_io_errors(self, n: int) -> None:
+            counts["rules"] += 1
+            faults["budget"] = n
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(data=st.data(), how=st.sampled_from(["remove", "truncate", "root"]))
+        def damage_file(self, data, how: str) -> None:
+            """Remove a block file, cut it short, or remove the tier's whole
+            root, behind the tier's back (another engine, an operator, a
+            crash)."""
+            counts["rules"] += 1
+            if how == "root":
+                shutil.rmtree(root_dir, ignore_errors=True)
+                return
+            files = sorted(
+                os.path.join(d, f)
+                for d, _, fs in os.walk(root_dir)
+                for f in fs
+                if f.endswith(".bin")
+            )
+            if not files:
+                return
+            path = data.draw(st.sampled_from(files))
+            if how == "remove":
+                os.remove(path)
+            else:
+                os.truncate(path, os.path.getsize(path) // 2)
+
+        @precondition(lambda self: self.manager is not None)
+        @rule()
+        def reset(self) -> None:
+            """reset_cache() between steps: the scheduler drops the jobs in
+            flight (their workers report them later: only then are
+            promotions allowed again)."""
+            counts["rules"] += 1
+            assert self.manager is not None
+            with self.manager.lock:
+                self.manager.reset_cache()
+                self.ready.clear()
+                self.in_flight.clear()
+                if self.jobs or self.fenced:
+                    if not self.fenced:
+                        self.stored_since_reset = set()
+                    self.fenced = (self.fenced or []) + self.jobs
+                else:
+                    self.manager.on_reset_flushed()
+            self.jobs = []
+
+        @precondition(lambda self: self.manager is not None)
+        @rule(n=st.integers(1, _RANDOM_HASHES))
+        def settle(self, n: int) -> None:
+            """Request n alone, step after step: it is not deferred for more
+            than _SETTLE_STEPS steps (e.g. by a chunk promoted, failed and
+            promoted again forever)."""
+            counts["rules"] += 1
+            assert self.manager is not None
+            self.finish_step(report=True)
+            for _ in range(_SETTLE_STEPS + 1):
+                with self.manager.lock:
+                    deferred = self.lookup_request(n)
+                if not deferred:
+                    break
+                self.finish_step(report=True)
+            else:
+                raise AssertionError(
+                    f"request {n} deferred for more than {_SETTLE_STEPS} steps"
+                )
+            self.finish_step(report=True)
+
+        def finish_step(self, report: bool) -> None:
+            """The step ends (on_schedule_end); the workers report their jobs
+            (all, or those of earlier steps); the fs tier does the step's
+            I/O; then the invariants are checked."""
+            counts["steps"] += 1
+            manager = self.manager
+            assert manager is not None
+            with manager.lock:
+                manager.on_schedule_end(ScheduleEndContext((), ()))
+                self.ready.clear()
+                if self.fenced is not None:
+                    # nothing but the new stores wrote the slots of the
+                    # loads the reset flushed (no promotion until now)
+                    for job in self.fenced:
+                        if not job.store:
+                            self.check_read(job, self.stored_since_reset)
+                    self.fenced = None
+                    manager.on_reset_flushed()
+                due = [j for j in self.jobs if report or j.age >= _MAX_JOB_STEPS]
+                self.jobs = [j for j in self.jobs if j not in due]
+                for job in self.jobs:
+                    job.age += 1
+                for job in due:
+                    if job.store:
+                        manager.complete_store(job.keys, job.ctx, job.success)
+                    else:
+                        self.check_read(job)
+                        manager.complete_load(job.keys, job.ctx)
+                list(manager.take_events())
+            finish_tier_io(manager)
+            with manager.lock:
+                self.check()
+
+        def check(self) -> None:
+            manager = self.manager
+            assert manager is not None
+            primary = manager.primary_tier
+            chunks = dict(primary._policy.chunks)  # type: ignore[attr-defined]
+            # what holds each chunk: cascades, pins, loads of the workers
+            holders: Counter = Counter()
+            written: set[OffloadKey] = set()
+            for meta in manager._jobs.values():
+                if meta.transfer_job.is_promotion:
+                    written.update(meta.transfer_job.keys)
+                else:
+                    holders.update(meta.transfer_job.keys)
+            # chunks pinned for waiting requests
+            for held in getattr(manager, "_held", {}).values():
+                holders.update(held.keys)
+            # (jobs flushed by a reset hold nothing: the reset freed them)
+            for job in self.jobs:
+                (written if job.store else holders).update(job.keys)
+            for key, chunk in chunks.items():
+                expected = -1 if key in written else holders[key]
+                assert chunk.ref_cnt == expected, (
+                    f"ref_cnt {chunk.ref_cnt} of a chunk held {holders[key]} "
+                    f"times{' (written)' if key in written else ''}"
+                )
+            self.in_flight = {
+                key: self.in_flight.get(key, 0) + 1
+                for key, chunk in chunks.items()
+                if chunk.ref_cnt == -1
+            }
+            assert max(self.in_flight.values(), default=0) <= _SETTLE_STEPS, (
+                "stuck in flight"
+            )
+            for key, chunk in chunks.items():
+                if chunk.ref_cnt != -1:
+                    np.testing.assert_array_equal(
+                        self.rows[chunk.chunk_id],
+                        chunk_bytes(key, self.rows.shape[1]),
+                        err_msg="a ready chunk does not hold its key's bytes",
+                    )
+            used = [c.chunk_id for c in chunks.values()]
+            assert len(set(used)) == len(used), "a slot holds two chunks"
+            free = set(primary._free_list)
+            assert not free & set(used), "a used slot is also free"
+            assert len(used) + primary._get_num_free_chunks() == _RANDOM_CPU_CHUNKS, (
+                "slots leaked"
+            )
+            files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+            tmp = [f for f in files if f.endswith(".tmp")]
+            assert not tmp, f"temporary files left: {tmp}"
+            if any(f.endswith(".bin") for f in files):
+                config = self.tier.file_mapper.get_config_file_path()
+                assert os.path.isfile(config), "block files without config.json"
+
+        def teardown(self) -> None:
+            manager = self.manager
+            if manager is None:
+                return
+            try:
+                # quiescence: every slot is back, nothing is held
+                faults["budget"] = 0
+                for n in list(self.ctxs):
+                    self.finish_request(n)
+                for _ in range(3):
+                    self.finish_step(report=True)
+                with manager.lock:
+                    assert not manager._jobs and not getattr(manager, "_held", None)
+                    assert not manager._req_state, "requests never finalized"
+                    chunks = manager.primary_tier._policy.chunks  # type: ignore[attr-defined]
+                    assert all(c.ref_cnt == 0 for c in chunks.values())
+            finally:
+                del self.rows  # the primary tier's buffer is unmapped
+                manager.shutdown()
+
+    examples = _SOAK_EXAMPLES or 30
+    run_state_machine_as_test(
+        TieringMachine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=30,
+            derandomize=not _SOAK_EXAMPLES,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    print(f"hypothesis {hypothesis.__version__}: {dict(counts)}")

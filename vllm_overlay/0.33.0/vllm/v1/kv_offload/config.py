@@ -16,7 +16,7 @@ class OffloadingBlockLayout:
     a later release adds do not move a persistent tier's storage namespace.
     """
 
-    # "attention", "mla_attention", "mamba", or the spec's class name.
+    # "attention", "mla_attention" or "mamba".
     kind: str
     # Element dtype(s): one for attention, one per state for mamba.
     dtypes: tuple[str, ...]

@@ -1155,6 +1155,125 @@ def test_failing_tier_reports_rate_limited_with_counts(
     assert errors()[0].endswith("[Errno 28] No space left on device")
 
 
+def _make_small_tier(root_dir, tensor: torch.Tensor, **config):
+    return FileSystemTierManager(
+        offloading_spec=_MOCK_OFFLOADING_SPEC,
+        primary_kv_view=memoryview(tensor.numpy()),
+        tier_type="fs",
+        root_dir=str(root_dir),
+        n_read_threads=2,
+        n_write_threads=2,
+        **config,
+    )
+
+
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_tier_recreates_its_config_when_its_root_is_removed(
+    tmp_path, monkeypatch, caplog_vllm, use_c_ext
+):
+    """The tier's root directory removed while it runs (an operator cleaning
+    up, a tmpfs remounted): the next stores re-create the block directories
+    and also config.json, which says what the files are; it is not left
+    missing for the rest of the process."""
+    import shutil
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("C extension not available")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+    root = tmp_path / "root"
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tier = _make_small_tier(root, tensor)
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        with open(config_path, "rb") as f:
+            config = f.read()
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+
+        shutil.rmtree(root)
+        tensor[1] = 9
+        tier.submit_store(make_job(2, [key(2), key(3)], [1, 1]))
+        assert [r.success for r in drain(tier)] == [True]
+        assert os.path.isfile(tier.file_mapper.get_file_name(key(2)))
+        assert os.path.isfile(config_path), "config.json was not re-created"
+        with open(config_path, "rb") as f:
+            assert f.read() == config
+        (line,) = [
+            r.getMessage()
+            for r in caplog_vllm.records
+            if "re-created" in r.getMessage()
+        ]
+        assert config_path in line
+        tier.submit_load(make_job(3, [key(2)], [2], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        assert (tensor[2] == 9).all()
+    finally:
+        tier.shutdown()
+    assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO", "EINVAL"])
+def test_o_direct_is_probed_again_after_a_transient_failure(
+    tmp_path, monkeypatch, error
+):
+    """The O_DIRECT probe at start-up fails because the disk is full (or an
+    I/O error): the tier starts with buffered I/O, but once space is freed it
+    switches to O_DIRECT with the first store after the re-probe interval,
+    instead of using buffered I/O for the rest of the process. A failure
+    that says O_DIRECT is not supported (EINVAL) is never probed again."""
+    from types import SimpleNamespace
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    if not io_mod.probe_o_direct(str(tmp_path)):
+        pytest.skip("no O_DIRECT support here")
+    real_write = os.write
+    failing = {"on": True}
+
+    def write(fd, data):
+        if failing["on"] and ".o_direct_probe" in os.readlink(f"/proc/self/fd/{fd}"):
+            code = getattr(errno, error)
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(
+        fs_manager, "time", SimpleNamespace(monotonic=lambda: clock.now), raising=False
+    )
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tensor[:3] = 5
+    tier = _make_small_tier(tmp_path / "root", tensor)
+    try:
+        assert tier._use_o_direct is False
+        failing["on"] = False  # space was freed
+
+        # within the interval: still buffered
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        assert tier._use_o_direct is False
+        clock.now += 3600  # much later
+        tier.submit_store(make_job(2, [key(2)], [1]))
+        assert [r.success for r in drain(tier)] == [True]
+        if error == "EINVAL":
+            assert tier._use_o_direct is False
+        else:
+            assert tier._use_o_direct is True, "still buffered after space was freed"
+        tier.submit_store(make_job(3, [key(3)], [2]))
+        assert [r.success for r in drain(tier)] == [True]
+        tensor[:3] = 0
+        tier.submit_load(
+            make_job(4, [key(1), key(2), key(3)], [0, 1, 2], is_promotion=True)
+        )
+        assert [r.success for r in drain(tier)] == [True]
+        assert (tensor[:3] == 5).all()
+    finally:
+        tier.shutdown()
+
+
 # ---------------------------------------------------------------------------
 # KV events
 # ---------------------------------------------------------------------------

@@ -78,6 +78,13 @@ def remove_stale_tmp_files(
     return removed, removed_bytes
 
 
+# Errors of the O_DIRECT probe that say nothing about O_DIRECT support (a
+# full disk or quota, a failing device, a signal): worth probing again later.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EINTR, errno.ENOMEM}
+)
+
+
 def probe_o_direct(directory: str) -> bool:
     """Return whether ``O_DIRECT`` I/O works in *directory*.
 
@@ -85,7 +92,9 @@ def probe_o_direct(directory: str) -> bool:
     a container ``/tmp``, older tmpfs, or some NFS mounts), where opening or
     writing a file with it fails with ``EINVAL``. Probe once with an aligned
     single-page write so callers can fall back to buffered I/O instead of
-    failing on every block.
+    failing on every block. A failure that says nothing about ``O_DIRECT``
+    support (TRANSIENT_ERRNOS, e.g. a full disk) raises its ``OSError``, so
+    that the caller can probe again later.
     """
     if not O_DIRECT:
         return False
@@ -98,7 +107,9 @@ def probe_o_direct(directory: str) -> bool:
         finally:
             os.close(fd)
         return True
-    except OSError:
+    except OSError as e:
+        if e.errno in TRANSIENT_ERRNOS:
+            raise
         return False
     finally:
         page.close()

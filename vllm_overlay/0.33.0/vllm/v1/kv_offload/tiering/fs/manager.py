@@ -18,7 +18,8 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 try:
@@ -63,6 +64,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = init_logger(__name__)
+
+# After an O_DIRECT probe failed for a reason that may pass (a full disk, an
+# I/O error), probe again after the first store at least this much later.
+REPROBE_INTERVAL_S = 60.0
 
 
 class FsAsyncLookupManager(AsyncLookupManager):
@@ -209,18 +214,29 @@ class FileSystemTierManager(SecondaryTierManager):
 
         # Write config file
         config_path = self.file_mapper.get_config_file_path()
-        os.makedirs(os.path.dirname(config_path), exist_ok=True)
-        if not os.path.exists(config_path):
-            with open(config_path, "w") as f:
-                json.dump(
-                    self.file_mapper.get_run_config(), f, indent=2, sort_keys=True
-                )
+        self._config_lock = threading.Lock()
+        self._write_config()
 
         # Prefer O_DIRECT to bypass the page cache, but fall back to buffered
         # I/O on filesystems that reject it (e.g. overlayfs, some NFS mounts)
         # rather than failing every block.
-        self._use_o_direct = probe_o_direct(os.path.dirname(config_path))
-        if not self._use_o_direct:
+        self._o_direct_dir = os.path.dirname(config_path)
+        self._reprobe_at: float | None = None  # None: never
+        try:
+            self._use_o_direct = probe_o_direct(self._o_direct_dir)
+        except OSError as e:
+            # Says nothing about O_DIRECT support: buffered I/O for now.
+            self._use_o_direct = False
+            self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+            logger.warning(
+                "The O_DIRECT probe at '%s' failed (%s); using buffered I/O "
+                "for the '%s' KV offload tier and probing again in %.0f s.",
+                root_dir,
+                e,
+                tier_type,
+                REPROBE_INTERVAL_S,
+            )
+        if not self._use_o_direct and self._reprobe_at is None:
             logger.warning(
                 "O_DIRECT is not supported at '%s'; falling back to buffered "
                 "I/O for the '%s' KV offload tier.",
@@ -255,6 +271,68 @@ class FileSystemTierManager(SecondaryTierManager):
                 daemon=True,
             )
             self._tmp_cleanup.start()
+
+    def _write_config(self) -> bool:
+        """Write config.json (the layout of the directory's block files)
+        unless it exists. Returns whether it was written."""
+        config_path = self.file_mapper.get_config_file_path()
+        if os.path.exists(config_path):
+            return False
+        os.makedirs(os.path.dirname(config_path), exist_ok=True)
+        with open(config_path, "w") as f:
+            json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
+        return True
+
+    def _store_and_keep_config(self, store: Callable[[], None]) -> None:
+        """Run a store task (on an I/O thread), then re-create config.json if
+        the tier's root was removed while running (an operator cleaning a
+        cache directory): the store re-created the block directories, which
+        must not be left without the file that says what they hold. Costs a
+        stat per store job."""
+        store()
+        config_path = self.file_mapper.get_config_file_path()
+        if os.path.exists(config_path):
+            return
+        try:
+            with self._config_lock:
+                written = self._write_config()
+        except OSError as e:
+            logger.warning_once(
+                "Could not re-create %s for the '%s' KV offload tier: %s",
+                config_path,
+                self.tier_type,
+                e,
+            )
+            return
+        if written:
+            logger.warning(
+                "%s was missing (was the '%s' KV offload tier's directory "
+                "removed?); re-created it.",
+                config_path,
+                self.tier_type,
+            )
+
+    def _store_and_reprobe_o_direct(self, store: Callable[[], None]) -> None:
+        """Run a store task, then probe O_DIRECT again after a transient
+        failure (on an I/O thread): switch to it if it works now (blocks are
+        the same bytes in both modes), else probe again later while the
+        failure may pass."""
+        try:
+            store()
+        finally:
+            try:
+                self._use_o_direct = probe_o_direct(self._o_direct_dir)
+            except OSError:
+                self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+            else:
+                logger.info(
+                    "The O_DIRECT probe at '%s' %s; using %s I/O for the '%s' "
+                    "KV offload tier.",
+                    self._o_direct_dir,
+                    "succeeded" if self._use_o_direct else "failed",
+                    "O_DIRECT" if self._use_o_direct else "buffered",
+                    self.tier_type,
+                )
 
     def _remove_stale_tmp_files(self, directories: list[str], max_age_s: float) -> None:
         removed, removed_bytes = remove_stale_tmp_files(
@@ -302,7 +380,12 @@ class FileSystemTierManager(SecondaryTierManager):
             self._use_o_direct,
         )
         self._job_block_counts[job_metadata.job_id] = len(keys)
-        self._pool.enqueue_store(job_metadata.job_id, 1, [task])
+        store = functools.partial(self._store_and_keep_config, task)
+        if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
+            # This job's I/O thread probes O_DIRECT again after its store.
+            self._reprobe_at = None
+            store = functools.partial(self._store_and_reprobe_o_direct, store)
+        self._pool.enqueue_store(job_metadata.job_id, 1, [store])
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:

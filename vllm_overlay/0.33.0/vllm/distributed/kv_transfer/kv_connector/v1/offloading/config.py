@@ -74,25 +74,24 @@ def describe_block_layout(spec: KVCacheSpec) -> OffloadingBlockLayout:
             page_size_bytes=spec.page_size_bytes,
         )
     if isinstance(spec, AttentionSpec):
-        is_mla = isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
+        # Full, sliding window and chunked local attention store the same
+        # bytes per block.
+        kind = "attention"
         variant: tuple[str, ...] = (spec.kv_quant_mode.name,)
         if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            kind = "mla_attention"
             variant += (str(spec.cache_dtype_str), str(spec.model_version))
         return OffloadingBlockLayout(
-            # Full, sliding window and chunked local attention store the same
-            # bytes per block.
-            kind="mla_attention" if is_mla else "attention",
+            kind=kind,
             dtypes=(_dtype_name(spec.dtype),),
             shapes=((spec.head_size, spec.head_size_v),),
             page_size_bytes=spec.page_size_bytes,
             num_kv_heads=spec.num_kv_heads,
             variant=variant,
         )
-    return OffloadingBlockLayout(
-        kind=type(spec).__name__,
-        dtypes=(),
-        shapes=(),
-        page_size_bytes=spec.page_size_bytes,
+    raise ValueError(
+        f"KV offloading supports attention and mamba KV cache groups, not "
+        f"{type(spec).__name__}."
     )
 
 
