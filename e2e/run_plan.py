@@ -123,7 +123,7 @@ def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
 
 
 def venv_problem(unpatched: bool) -> str | None:
-    """On a track without an unpatched site (0.32.0: the series does not build it there), the
+    """On a track without an unpatched site (0.32.0: the plan builds none for it), the
     venv itself is what runs: it must hold the series' wheel for a patched run and pristine
     vLLM for --unpatched, so no result is labelled with the other build. None: fine."""
     if TRACK == "0.22.1":

