@@ -42,7 +42,8 @@ def main() -> None:
     pin = load_pin()
     repo = checkout_dir(pin["version"])
     if not (repo / ".git").exists():
-        raise UserError(f"no checkout at {repo}; run `make apply` first")
+        raise UserError(f"no checkout at {rel(repo)}: `VLLM_VERSION={pin['version']} make checkout` "
+                        "makes one (the series is checked against the pristine tag)")
     if not PATCHES.is_dir():
         raise UserError(f"vLLM {pin['version']} has no series ({PATCHES.relative_to(ROOT)}/); "
                         "a port is exported there by `make patches`")
