@@ -17,7 +17,6 @@ For the e2e harness it also logs two lines the runner reads from the engine log:
   "e2e-spec: promoted N keys ..."   keys a secondary tier loaded back into the CPU tier
 """
 
-import ctypes
 import os
 import time
 from collections.abc import Iterator
@@ -26,16 +25,13 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingManager,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.kv_offload.worker.worker import (
@@ -43,6 +39,8 @@ from vllm.v1.kv_offload.worker.worker import (
     TransferResult,
     TransferSpec,
 )
+
+from cpu_copy_common import copy_groups, count_promotions
 
 # under the "vllm" logger so the engine's log configuration prints these lines
 logger = init_logger("vllm.e2e.cpu_copy_spec")
@@ -67,43 +65,9 @@ class CpuCopyHandler(OffloadingHandler):
     def transfer_async(self, job_id: int, transfer_spec: TransferSpec) -> bool:
         t0 = time.perf_counter()
         src_spec, dst_spec = transfer_spec
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
-        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
-        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
-        assert isinstance(gpu_spec, GPULoadStoreSpec)
-        assert len(gpu_spec.group_sizes) == len(self.group_data_refs)
-        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
-
-        src_off = dst_off = 0
-        nbytes = 0
-        for g, (group_size, block_idx, refs) in enumerate(
-            zip(gpu_spec.group_sizes, gpu_spec.block_indices, self.group_data_refs)
-        ):
-            if group_size == 0:
-                continue
-            f = self.factors[g]
-            src_f, dst_f = (1, f) if self.gpu_to_cpu else (f, 1)
-            src_skip, dst_skip = block_idx % src_f, block_idx % dst_f
-            src_n = cdiv(group_size + src_skip, src_f)
-            dst_n = cdiv(group_size + dst_skip, dst_f)
-            group_src = src_blocks[src_off:src_off + src_n]
-            group_dst = dst_blocks[dst_off:dst_off + dst_n]
-            assert len(group_src) == src_n and len(group_dst) == dst_n
-            src_ptrs = np.empty(group_size, dtype=np.int64)
-            dst_ptrs = np.empty(group_size, dtype=np.int64)
-            for ref in refs:
-                compute_sub_block_ptrs(group_src, src_f, src_ptrs,
-                                       self.src_tensors[ref.tensor_idx], skip_count=src_skip)
-                compute_sub_block_ptrs(group_dst, dst_f, dst_ptrs,
-                                       self.dst_tensors[ref.tensor_idx], skip_count=dst_skip)
-                for s, d in zip(src_ptrs.tolist(), dst_ptrs.tolist()):
-                    ctypes.memmove(d, s, ref.page_size_bytes)
-                    if self._corrupt:
-                        ctypes.memset(d, 0x3C, ref.page_size_bytes)
-                nbytes += group_size * ref.page_size_bytes
-            src_off += src_n
-            dst_off += dst_n
-        assert src_off == len(src_blocks) and dst_off == len(dst_blocks)
+        nbytes = copy_groups(src_spec, dst_spec, self.gpu_to_cpu, self.factors,
+                             self.group_data_refs, self.src_tensors, self.dst_tensors, np.int64,
+                             self._corrupt)
         self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                                          transfer_time=time.perf_counter() - t0,
                                          transfer_type=self.transfer_type))
@@ -166,7 +130,7 @@ class CpuCopyTieringSpec(TieringOffloadingSpec):
         manager = super().get_manager()
         if fresh:
             for tier in getattr(manager, "secondary_tiers", []):
-                _count_promotions(tier)
+                count_promotions(tier, logger)
         return manager
 
     def create_handlers(self, kv_caches: CanonicalKVCaches) -> CpuCopyHandlers:
@@ -195,18 +159,3 @@ class CpuCopyTieringSpec(TieringOffloadingSpec):
             self._handlers = self.create_handlers(kv_caches)
         yield GPULoadStoreSpec, CPULoadStoreSpec, self._handlers.gpu_to_cpu_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, self._handlers.cpu_to_gpu_handler
-
-
-def _count_promotions(tier) -> None:
-    """Log every load a secondary tier is asked for (observation only, behaviour unchanged)."""
-    submit_load = tier.submit_load
-    totals = {"keys": 0, "jobs": 0}
-
-    def counting_submit_load(job_metadata):
-        totals["keys"] += len(job_metadata.keys)
-        totals["jobs"] += 1
-        logger.info("e2e-spec: promoted %d keys from %s (total keys=%d jobs=%d)",
-                    len(job_metadata.keys), tier.tier_type, totals["keys"], totals["jobs"])
-        return submit_load(job_metadata)
-
-    tier.submit_load = counting_submit_load

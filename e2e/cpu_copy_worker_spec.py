@@ -19,7 +19,6 @@ It logs the two lines the e2e runner reads from the engine log:
   "e2e-spec: promoted N keys ..."   keys a secondary tier loaded back into the CPU tier
 """
 
-import ctypes
 import os
 import time
 
@@ -27,9 +26,7 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -38,9 +35,10 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from cpu_copy_common import copy_groups, count_promotions
 
 # under the "vllm" logger so the engine's log configuration prints these lines
 logger = init_logger("vllm.e2e.cpu_copy_worker_spec")
@@ -54,46 +52,15 @@ class _Direction:
         self.dst_tensors = cpu_tensors if gpu_to_cpu else gpu_tensors
         self.gpu_to_cpu = gpu_to_cpu
         self.refs = refs
-        self.src_f = 1 if gpu_to_cpu else blocks_per_chunk
-        self.dst_f = blocks_per_chunk if gpu_to_cpu else 1
+        self.factors = [blocks_per_chunk] * len(refs)
         # negative control for the harness: E2E_CORRUPT_LOADS=1 garbles every CPU->GPU load
         self.corrupt = not gpu_to_cpu and os.environ.get("E2E_CORRUPT_LOADS") == "1"
 
     def copy(self, job_id: int, src_spec: LoadStoreSpec,
              dst_spec: LoadStoreSpec) -> TransferResult:
         t0 = time.perf_counter()
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
-        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
-        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
-        assert isinstance(gpu_spec, GPULoadStoreSpec)
-        assert len(gpu_spec.group_sizes) == len(self.refs)
-        src_blocks, dst_blocks = src_spec.block_ids, dst_spec.block_ids
-        src_off = dst_off = nbytes = 0
-        for group_size, block_idx, refs in zip(gpu_spec.group_sizes, gpu_spec.block_indices,
-                                               self.refs):
-            if group_size == 0:
-                continue
-            src_skip, dst_skip = block_idx % self.src_f, block_idx % self.dst_f
-            src_n = cdiv(group_size + src_skip, self.src_f)
-            dst_n = cdiv(group_size + dst_skip, self.dst_f)
-            group_src = src_blocks[src_off:src_off + src_n]
-            group_dst = dst_blocks[dst_off:dst_off + dst_n]
-            assert len(group_src) == src_n and len(group_dst) == dst_n
-            src_ptrs = np.empty(group_size, dtype=np.uint64)
-            dst_ptrs = np.empty(group_size, dtype=np.uint64)
-            for ref in refs:
-                compute_sub_block_ptrs(group_src, self.src_f, src_ptrs,
-                                       self.src_tensors[ref.tensor_idx], skip_count=src_skip)
-                compute_sub_block_ptrs(group_dst, self.dst_f, dst_ptrs,
-                                       self.dst_tensors[ref.tensor_idx], skip_count=dst_skip)
-                for s, d in zip(src_ptrs.tolist(), dst_ptrs.tolist()):
-                    ctypes.memmove(d, s, ref.page_size_bytes)
-                    if self.corrupt:
-                        ctypes.memset(d, 0x3C, ref.page_size_bytes)
-                nbytes += group_size * ref.page_size_bytes
-            src_off += src_n
-            dst_off += dst_n
-        assert src_off == len(src_blocks) and dst_off == len(dst_blocks)
+        nbytes = copy_groups(src_spec, dst_spec, self.gpu_to_cpu, self.factors, self.refs,
+                             self.src_tensors, self.dst_tensors, np.uint64, self.corrupt)
         return TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                               transfer_time=time.perf_counter() - t0)
 
@@ -158,7 +125,7 @@ class CpuCopyTieringSpec(TieringOffloadingSpec):
         manager = super().get_manager()
         if fresh:
             for tier in getattr(manager, "secondary_tiers", []):
-                _count_promotions(tier)
+                count_promotions(tier, logger)
         return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -178,19 +145,3 @@ class CpuCopyTieringSpec(TieringOffloadingSpec):
                 region.cleanup()
                 raise
         return self._worker
-
-
-def _count_promotions(tier) -> None:
-    """Log every load a secondary tier is asked for (observation only, behaviour unchanged;
-    the same lines as cpu_copy_spec.py, which imports the 0.22.1 API)."""
-    submit_load = tier.submit_load
-    totals = {"keys": 0, "jobs": 0}
-
-    def counting_submit_load(job_metadata):
-        totals["keys"] += len(job_metadata.keys)
-        totals["jobs"] += 1
-        logger.info("e2e-spec: promoted %d keys from %s (total keys=%d jobs=%d)",
-                    len(job_metadata.keys), tier.tier_type, totals["keys"], totals["jobs"])
-        return submit_load(job_metadata)
-
-    tier.submit_load = counting_submit_load

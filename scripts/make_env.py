@@ -215,7 +215,7 @@ def main() -> None:
         return
     build(pin, tgt)
     install_series()
-    say("next: `make test` (all groups, ~11 min) or `make test GROUP=regression`")
+    say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
 
 
 if __name__ == "__main__":
