@@ -1214,6 +1214,48 @@ def test_tier_recreates_its_config_when_its_root_is_removed(
     assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
+def test_config_re_creation_failures_are_reported_rate_limited(
+    tmp_path, monkeypatch, caplog_vllm
+):
+    """The root is removed and config.json cannot be re-created (here a
+    dangling symlink stands in its place): the stores go on, and the tier
+    says so with counts, at most once per interval, for as long as it lasts
+    (not once, and not once per job)."""
+    import shutil
+
+    import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
+
+    root = tmp_path / "root"
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tier = _make_small_tier(root, tensor)
+
+    def warnings():
+        return [
+            r.getMessage()
+            for r in caplog_vllm.records
+            if "Could not re-create" in r.getMessage()
+        ]
+
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        shutil.rmtree(root)
+        os.makedirs(os.path.dirname(config_path))
+        os.symlink(tmp_path / "gone" / "config.json", config_path)
+        for job_id in range(1, 4):
+            tier.submit_store(make_job(job_id, [key(job_id)], [0]))
+            assert [r.success for r in drain(tier)] == [True]
+        (line,) = warnings()
+        assert "1 failed attempt(s)" in line and config_path in line
+        monkeypatch.setattr(fs_manager, "FAILURE_REPORT_INTERVAL_S", 0.0)
+        tier._next_config_warning = float("-inf")  # the interval is over
+        tier.submit_store(make_job(4, [key(4)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        assert len(warnings()) == 2
+        assert "3 failed attempt(s)" in warnings()[1]
+    finally:
+        tier.shutdown()
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO", "EINVAL"])
 def test_o_direct_is_probed_again_after_a_transient_failure(
     tmp_path, monkeypatch, error

@@ -58,7 +58,10 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     probe_o_direct,
     remove_stale_tmp_files,
 )
-from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+from vllm.v1.kv_offload.tiering.fs.thread_pool import (
+    FAILURE_REPORT_INTERVAL_S,
+    DualQueueThreadPool,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -215,6 +218,8 @@ class FileSystemTierManager(SecondaryTierManager):
         # Write config file
         config_path = self.file_mapper.get_config_file_path()
         self._config_lock = threading.Lock()
+        self._config_failures = 0  # since the last warning (under _config_lock)
+        self._next_config_warning = float("-inf")
         self._write_config()
 
         # Prefer O_DIRECT to bypass the page cache, but fall back to buffered
@@ -293,17 +298,12 @@ class FileSystemTierManager(SecondaryTierManager):
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
             return
-        try:
-            with self._config_lock:
+        with self._config_lock:
+            try:
                 written = self._write_config()
-        except OSError as e:
-            logger.warning_once(
-                "Could not re-create %s for the '%s' KV offload tier: %s",
-                config_path,
-                self.tier_type,
-                e,
-            )
-            return
+            except OSError as e:
+                self._report_config_failure(config_path, e)
+                return
         if written:
             logger.warning(
                 "%s was missing (was the '%s' KV offload tier's directory "
@@ -311,6 +311,26 @@ class FileSystemTierManager(SecondaryTierManager):
                 config_path,
                 self.tier_type,
             )
+
+    def _report_config_failure(self, config_path: str, error: OSError) -> None:
+        """Rate-limited, with counts (under _config_lock): the first failure
+        at once, then at most one warning per FAILURE_REPORT_INTERVAL_S, so a
+        root that stays unwritable is neither silent nor flooding the log."""
+        self._config_failures += 1
+        now = time.monotonic()
+        if now < self._next_config_warning:
+            return
+        self._next_config_warning = now + FAILURE_REPORT_INTERVAL_S
+        logger.warning(
+            "Could not re-create %s for the '%s' KV offload tier (%d failed "
+            "attempt(s) since the last warning; its blocks are stored "
+            "without it): %s",
+            config_path,
+            self.tier_type,
+            self._config_failures,
+            error,
+        )
+        self._config_failures = 0
 
     def _store_and_reprobe_o_direct(self, store: Callable[[], None]) -> None:
         """Run a store task, then probe O_DIRECT again after a transient
