@@ -13,6 +13,9 @@ TMP = ROOT / "build" / "bench-tmp"
 RESULTS = ROOT / "bench" / "results"
 
 QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
+# PYTHONPATH of the patched side instead of .venv as installed (e.g. a checkout's work tree
+# through scripts/worktree_site.py): the scheduler worker and the disk sections import it.
+PATCHED_SITE = os.environ.get("BENCH_PATCHED_SITE", "")
 
 
 class BenchError(Exception):
@@ -52,6 +55,8 @@ def vllm_env(pristine: bool) -> dict:
     """Environment for a .venv python that imports the patched vLLM, or pristine 0.22.1."""
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
+    if not pristine and PATCHED_SITE:
+        env["PYTHONPATH"] = PATCHED_SITE
     if pristine:
         out = subprocess.run(
             ["python3", str(ROOT / "scripts" / "unpatched_site.py")],

@@ -240,6 +240,14 @@ def has_integrity_check() -> bool:
     return "checksum" in inspect.signature(FileSystemTierManager).parameters
 
 
+def checksum_default() -> str | None:
+    """The fs tier's `checksum` setting when a config leaves it out (None: no setting)."""
+    import inspect
+
+    param = inspect.signature(FileSystemTierManager).parameters.get("checksum")
+    return None if param is None else str(param.default)
+
+
 def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: int) -> list:
     """The tier with a checksum ("on") vs checksum "none" ("off"), same rows."""
     try:
@@ -330,6 +338,7 @@ def main() -> int:
         "rounds": args.rounds,
         "dir": str(root),
         "integrity_check": has_integrity_check(),
+        "checksum_default": checksum_default(),
         "integrity": [],
         "fingerprint": fingerprint(),
     }

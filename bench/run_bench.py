@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import QUICK, TMP, VENV_PY, BenchError, check_venv, run_main, say
+from common import QUICK, TMP, VENV_PY, BenchError, check_venv, run_main, say, vllm_env
 
 HERE = Path(__file__).resolve().parent
 E2E_SKIPPED = (
@@ -25,7 +25,9 @@ E2E_SKIPPED = (
 
 def step(script: str, *args: str) -> None:
     t0 = time.monotonic()
-    rc = subprocess.call([str(VENV_PY), str(HERE / script), *args], cwd=HERE.parent)
+    # the disk sections import the patched side (BENCH_PATCHED_SITE, else .venv as is)
+    env = vllm_env(pristine=False)
+    rc = subprocess.call([str(VENV_PY), str(HERE / script), *args], cwd=HERE.parent, env=env)
     if rc != 0:
         raise BenchError(f"bench/{script} failed (exit status {rc}); see its message above")
     say(f"{script}: {time.monotonic() - t0:.0f} s")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scheduler side, patched vs pristine vLLM: per-key cost, promotion, cold lookup.
+"""Scheduler side, patched vs pristine vLLM: the phases of a request, per-key cost, cold lookup.
 
 Starts sched_worker.py twice (patched .venv; pristine 0.22.1 via scripts/unpatched_site.py)
 and sends both the same cases in interleaved rounds (the order alternates per round).
@@ -18,6 +18,7 @@ import threading
 import time
 
 from common import (
+    PATCHED_SITE,
     QUICK,
     TMP,
     VENV_PY,
@@ -32,6 +33,7 @@ from common import (
 TREES = ("patched", "pristine")
 PERKEY_KEYS, PERKEY_KEYS_QUICK = 4096, 1024
 COLD_KEYS, COLD_KEYS_QUICK = 16384, 4096
+PHASE_SIZES = (1000, 4000, 16000)  # keys per phase, quick runs too (a sample is < 1 s)
 
 
 class Worker:
@@ -143,14 +145,13 @@ def cases(quick: bool) -> list[tuple[str, dict, float]]:
         )
     )
     limit = 10 if quick else 30
-    sizes = (1000, 4000) if quick else (1000, 4000, 16000)
     for full in (False, True):
-        for n in sizes:
-            name = f"promotion n={n}{' full' if full else ''}"
+        for n in PHASE_SIZES:
+            name = f"phases n={n}{' full' if full else ''}"
             out.append(
                 (
                     name,
-                    {"case": "promotion", "ready": n, "promote": n, "full": full, "repeats": 3},
+                    {"case": "phases", "n": n, "full": full, "repeats": 3},
                     limit,
                 )
             )
@@ -165,7 +166,7 @@ def main() -> int:
         "--patched-site",
         default="",
         help="PYTHONPATH for the 'patched' side instead of .venv as is "
-        "(e.g. another build of the series)",
+        "(e.g. another build of the series; default: $BENCH_PATCHED_SITE)",
     )
     ap.add_argument("--cases", default="", help="run only the cases whose name starts so")
     args = ap.parse_args()
@@ -233,7 +234,7 @@ def main() -> int:
                 "rounds": args.rounds,
                 "versions": {t: f"{w.version} ({w.fingerprint})" for t, w in workers.items()},
                 "changed": changed(workers),
-                "patched_site": args.patched_site or "(.venv)",
+                "patched_site": args.patched_site or PATCHED_SITE or "(.venv)",
             },
             f,
             indent=1,
@@ -259,13 +260,13 @@ def changed(workers: dict) -> list[str]:
 
 
 def skipped_for_size(results: dict, name: str, tree: str) -> bool:
-    """Whether a smaller size of the same promotion case ran past its limit on this tree."""
-    if not name.startswith("promotion"):
+    """Whether a smaller size of the same phases case ran past its limit on this tree."""
+    if not name.startswith("phases"):
         return False
     n = int(name.split("n=")[1].split()[0])
     variant = name.endswith(" full")
     for other, by_tree in results.items():
-        if not other.startswith("promotion") or other.endswith(" full") != variant:
+        if not other.startswith("phases") or other.endswith(" full") != variant:
             continue
         m = int(other.split("n=")[1].split()[0])
         if m < n and by_tree[tree].get("stopped"):

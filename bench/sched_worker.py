@@ -12,6 +12,7 @@ Written against the pristine 0.22.1 API, so the same code path runs on both tree
 
 import gc
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -53,14 +54,16 @@ _regions = 0
 
 
 class AlwaysHitTier(SecondaryTierManager):
-    """A secondary tier that holds every key and finishes every job at once."""
+    """A secondary tier that holds every key (or only `held`, when given) and finishes
+    every job at once."""
 
-    def __init__(self, primary_kv_view: memoryview):
+    def __init__(self, primary_kv_view: memoryview, held: set | None = None):
         super().__init__(None, primary_kv_view, "always_hit")
         self._done: list[JobResult] = []
+        self._held = held
 
     def lookup(self, key, req_context):
-        return True
+        return self._held is None or key in self._held
 
     def submit_store(self, job_metadata):
         self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
@@ -73,7 +76,9 @@ class AlwaysHitTier(SecondaryTierManager):
         return done
 
 
-def make_manager(num_blocks: int, tier: str, fs_root: str = "") -> TieringOffloadingManager:
+def make_manager(
+    num_blocks: int, tier: str, fs_root: str = "", held: set | None = None
+) -> TieringOffloadingManager:
     global _regions
     _regions += 1
     region = SharedOffloadRegion(
@@ -89,7 +94,7 @@ def make_manager(num_blocks: int, tier: str, fs_root: str = "") -> TieringOffloa
     if tier == "example":
         secondary = ExampleSecondaryTierManager(None, view, "example")
     elif tier == "always_hit":
-        secondary = AlwaysHitTier(view)
+        secondary = AlwaysHitTier(view, held)
     else:
         secondary = FileSystemTierManager(
             fake_spec(1, None),
@@ -200,53 +205,72 @@ def store(manager: TieringOffloadingManager, keys, ctx: ReqContext) -> None:
     list(manager.take_events())  # end of step: cascades finish, ref counts drop
 
 
-def case_promotion(
-    ready: int, promote: int, full: bool, repeats: int = 1, budget_s: float = 3.0
-) -> dict:
-    """One request: `ready` keys in the CPU tier, then `promote` keys only in the secondary
-    tier. Step 1 looks all up (ready -> True, the others start a promotion) and ends the step;
-    step 2 looks all up again (all True). With `full`, the CPU tier holds exactly ready +
-    promote blocks, the oldest of another request: every promotion evicts one.
+PHASES = ("store", "cold", "step1", "step2", "load")
+
+
+def case_phases(n: int, full: bool, repeats: int = 1, budget_s: float = 3.0) -> dict:
+    """The scheduler-side phases of one request on the tiering manager, each timed on its
+    own (ms), with n keys per phase:
+    - store: prepare_store + complete_store of n keys and the step's end (take_events);
+    - cold: lookup of n keys that no tier holds, and the step's end;
+    - step1: lookup of the n stored keys (hits) and n keys only the secondary tier holds
+      (promotions started), and the step's end (take_events submits the promotion job);
+    - step2: lookup of all 2n again (all ready: the promotions finished), without the
+      step's end;
+    - load: prepare_load of the 2n keys, the step's end, complete_load of the 2n keys.
+    The CPU tier holds 2n blocks. With `full` they are taken beforehand by another
+    request's blocks: the store evicts n of them, the promotions the other n.
     Repeated up to `repeats` times while the samples so far took less than `budget_s`."""
-    out = {"step1_ms": [], "step2_ms": []}
+    out: dict = {f"{p}_ms": [] for p in PHASES}
     t_start = time.perf_counter()
     while len(out["step1_ms"]) < repeats and (
         not out["step1_ms"] or time.perf_counter() - t_start < budget_s
     ):
-        step1, step2 = promotion_once(ready, promote, full, len(out["step1_ms"]))
-        out["step1_ms"].append(step1)
-        out["step2_ms"].append(step2)
+        for phase, ms in zip(PHASES, phases_once(n, full, len(out["step1_ms"])), strict=True):
+            out[f"{phase}_ms"].append(ms)
     return out
 
 
-def promotion_once(ready: int, promote: int, full: bool, rep: int) -> tuple[float, float]:
-    capacity = ready + promote if full else 2 * (ready + promote)
-    manager = make_manager(capacity, "always_hit")
+def phases_once(n: int, full: bool, rep: int) -> list[float]:
+    keys = [make_offload_key(h, 0) for h in hashes(3 * n, f"phases-{rep}")]
+    ready, promote, cold = keys[:n], keys[n : 2 * n], keys[2 * n :]
+    manager = make_manager(2 * n, "always_hit", held=set(promote))
     try:
         ctx = ReqContext(req_id="req")
-        keys = [make_offload_key(h, 0) for h in hashes(ready + promote, f"promo-{rep}")]
         if full:
-            filler = [make_offload_key(h, 0) for h in hashes(promote, f"filler-{rep}")]
+            filler = [make_offload_key(h, 0) for h in hashes(2 * n, f"filler-{rep}")]
             store(manager, filler, ReqContext(req_id="other"))
-        store(manager, keys[:ready], ctx)
+        both = ready + promote
         gc.collect()
 
         t0 = time.perf_counter()
-        results = [manager.lookup(k, ctx) for k in keys]
+        out = manager.prepare_store(ready, ctx)
+        manager.complete_store(ready, ctx)
         list(manager.take_events())
         t1 = time.perf_counter()
-        again = [manager.lookup(k, ctx) for k in keys]
+        misses = [manager.lookup(k, ctx) for k in cold]
         list(manager.take_events())
         t2 = time.perf_counter()
+        step1 = [manager.lookup(k, ctx) for k in both]
+        list(manager.take_events())
+        t3 = time.perf_counter()
+        step2 = [manager.lookup(k, ctx) for k in both]
+        t4 = time.perf_counter()
+        manager.prepare_load(both, ctx)
+        list(manager.take_events())
+        manager.complete_load(both, ctx)
+        t5 = time.perf_counter()
     finally:
         manager.shutdown()
-    n_true, n_none = results.count(True), results.count(None)
-    if n_true != ready or n_none != promote or again.count(True) != len(keys):
+    stored = 0 if out is None else len(out.keys_to_store)
+    n_true, n_none = step1.count(True), step1.count(None)
+    if stored != n or any(misses) or n_true != n or n_none != n or step2.count(True) != 2 * n:
         raise RuntimeError(
-            f"step 1: {n_true} ready, {n_none} promoting (expected {ready}, {promote}); "
-            f"step 2: {again.count(True)} of {len(keys)} ready"
+            f"stored {stored} of {n}; cold: {sum(map(bool, misses))} hits; step 1: "
+            f"{n_true} ready, {n_none} promoting (expected {n}, {n}); step 2: "
+            f"{step2.count(True)} of {2 * n} ready"
         )
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return [(b - a) * 1e3 for a, b in itertools.pairwise((t0, t1, t2, t3, t4, t5))]
 
 
 def case_cold(blocks: int, repeats: int) -> dict:
@@ -271,13 +295,14 @@ def case_cold(blocks: int, repeats: int) -> dict:
     return out
 
 
-CASES = {"perkey": case_perkey, "promotion": case_promotion, "cold": case_cold}
+CASES = {"perkey": case_perkey, "phases": case_phases, "cold": case_cold}
 
 
 def main() -> None:
     # warm up every code path once, so that no case pays for first calls
     case_perkey(2, 64, 1)
-    case_promotion(64, 64, True)
+    case_phases(64, True)
+    case_phases(64, False)
     case_cold(64, 1)
     import vllm
 
