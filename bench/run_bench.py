@@ -3,8 +3,10 @@
 each against its reference in the same run; writes bench/results/<date>-<host>.md + .png.
 
 BENCH_QUICK=1: a smoke run of about a minute (fewer rounds, smaller sizes).
+BENCH_TAG=T: the results' file names end in -T (a run that must not replace the day's results).
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -46,7 +48,8 @@ def main() -> int:
     step("sched_bench.py")
     step("disk_bench.py")
     say("end to end on the CPU engine: " + E2E_SKIPPED)
-    step("report.py", "--e2e", E2E_SKIPPED, "--total-s", f"{time.monotonic() - t0:.0f}")
+    tag = ["--tag", os.environ["BENCH_TAG"]] if os.environ.get("BENCH_TAG") else []
+    step("report.py", "--e2e", E2E_SKIPPED, "--total-s", f"{time.monotonic() - t0:.0f}", *tag)
     say(f"make bench done in {time.monotonic() - t0:.0f} s")
     return 0
 
