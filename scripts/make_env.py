@@ -27,6 +27,7 @@ from _lib import (
     ROOT, VENV, Timer, UserError, cache_dir, free_bytes, load_pin, run_main, run_quiet, say,
     sha256_of, target,
 )
+from _series import ENV_STAMP, env_stamp
 from fetch import cached_path, fetch
 from sync_site import sync
 
@@ -38,7 +39,6 @@ SIZES = {
     "cuda": {"venv": 12.0e9, "wheelhouse": 6.0e9},
 }
 HEADROOM = 0.5e9
-STAMP = "hma-env.json"
 # Beyond vLLM's own requirements: the test runner (pytest-xdist: run_tests.py's workers),
 # vLLM's tests/conftest.py (tblib), the lm_eval client of the end-to-end plan, and vLLM's
 # pinned ruff for `make lint`.
@@ -129,8 +129,7 @@ def wanted(pin: dict, tgt: str, lock: Path | None) -> dict:
 
 
 def installed() -> dict | None:
-    stamp = VENV / STAMP
-    return json.loads(stamp.read_text()) if stamp.exists() else None
+    return env_stamp(VENV)
 
 
 def preflight(pin: dict, tgt: str, verbose: bool = True) -> None:
@@ -178,14 +177,14 @@ def build(pin: dict, tgt: str) -> None:
     }:
         say(f"{VENV.name}: the dependency lock changed; updating it in place from {lock.name}")
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
-        (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+        (VENV / ENV_STAMP).write_text(json.dumps(want, indent=1) + "\n")
         return
     if VENV.exists():
         if have and have.get("target") != tgt:
             say(f"{VENV.name} holds the {have.get('target')} build; replacing it with the {tgt} build "
                 f"(`TARGET={have.get('target')} make env` switches back)")
         else:
-            say(f"{VENV.name} was built for something else ({STAMP} differs); rebuilding it")
+            say(f"{VENV.name} was built for something else ({ENV_STAMP} differs); rebuilding it")
         shutil.rmtree(VENV)
     with Timer() as t:
         say(f"creating {VENV.name} for TARGET={tgt} (about {gb(SIZES[tgt]['venv'])}; "
@@ -196,7 +195,7 @@ def build(pin: dict, tgt: str) -> None:
         # TARGET=cpu: only the dependencies; vLLM itself is the series' wheel (install_series)
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
     say(f"{VENV.name} installed in {t.elapsed:.0f} s")
-    (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+    (VENV / ENV_STAMP).write_text(json.dumps(want, indent=1) + "\n")
 
 
 def install_series() -> list[str]:

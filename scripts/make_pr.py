@@ -355,7 +355,7 @@ def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> st
 
 # ----------------------------------------------------------------------------- tests
 def site_packages_dir() -> Path:
-    from sync_site import site_packages
+    from _series import site_packages
 
     return site_packages()
 
@@ -364,8 +364,7 @@ def touched_by_track(checkout: Path, tag: str) -> set[str]:
     """vllm/ files the track's venv may hold in another version than the tag: those the
     series changes (the venv of the default track is the series' wheel) and those the
     checkout changes."""
-    from check_sync import series_files
-    from sync_site import changed_vllm_files
+    from _series import changed_vllm_files, series_files
 
     names = set(changed_vllm_files(checkout, tag))
     if series_dir(vllm_version()).is_dir():

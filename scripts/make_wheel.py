@@ -39,10 +39,9 @@ import zipfile
 from pathlib import Path
 
 from _lib import BUILD, UserError, Timer, checkout_dir, load_pin, run_main, say, target
+from _series import local_tag, local_version, pristine_blob, series_files  # noqa: F401
 from apply import series, series_digest
-from check_sync import series_files
 from fetch import fetch
-from sync_site import pristine_blob
 
 WHEELS = BUILD / "wheels"
 # Native parts a series may change: source -> the module the wheel ships. fs_io is pure C++
@@ -62,19 +61,6 @@ def write_record(rows: list[tuple[str, str, str]]) -> str:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
     return buf.getvalue()
-
-
-def local_tag(tgt: str) -> str:
-    # vLLM finds its CPU platform by "cpu" in the version of the dist named vllm (its own CPU
-    # wheels are <release>+cpu; vllm.platforms.vllm_version_matches_substr): without it the
-    # CPU build loads the AVX512-BF16 kernels on any x86 CPU and dies of SIGILL.
-    return "cpu.hma" if tgt == "cpu" else "hma"
-
-
-def local_version(pin: dict, tgt: str, pristine: bool = False) -> str:
-    if pristine:  # the pinned wheel as dist vllm, no series: "+cpu" as vLLM's own CPU wheels
-        return pin["version"] + ("+cpu" if tgt == "cpu" else "")
-    return f"{pin['version']}+{local_tag(tgt)}.{series_digest(series())[:12]}"
 
 
 def wheel_name(pin: dict, tgt: str, pristine: bool = False) -> str:

@@ -23,8 +23,8 @@ import shutil
 import sys
 
 from _lib import BUILD, UserError, checkout_dir, load_pin, overlay_dir, run_main, say, venv_dir
+from _series import pristine_blob, site_packages
 from make_wheel import NATIVE, compile_native
-from sync_site import pristine_blob, site_packages
 
 UPSTREAM, ENGINE = "0.33.0", "0.32.0"
 
