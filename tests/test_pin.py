@@ -3,7 +3,6 @@
 import hashlib
 import os
 import subprocess
-import sys
 
 from conftest import ROOT, run_script
 
