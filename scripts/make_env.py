@@ -31,7 +31,7 @@ from _series import ENV_STAMP, env_stamp
 from fetch import cached_path, fetch
 from sync_site import sync
 
-# Measured on the project machine (README): .venv 6.7 GB (cpu) and 9.6 GB (cuda); the
+# Measured on the project machine: .venv 6.7 GB (cpu) and 9.6 GB (cuda); the
 # first wheelhouse fill 3.1 GB (cpu). The cuda fill is an estimate: the CUDA wheel plus the
 # CUDA-only packages on top of the shared torch.
 SIZES = {
@@ -219,7 +219,8 @@ def main() -> None:
         return
     build(pin, tgt)
     install_series()
-    say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
+    if PATCHES.is_dir():
+        say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def main() -> None:
     out = build(pin, target(), pristine=sys.argv[1:2] == ["--pristine"])
     say(f"install it: pip install {out.relative_to(BUILD.parent)}"
         + ("  (CPU: add --no-deps over an environment that has its dependencies, "
-           "as .venv does; see README)" if target() == "cpu" else ""))
+           "as .venv does; see docs/operators.md)" if target() == "cpu" else ""))
 
 
 if __name__ == "__main__":

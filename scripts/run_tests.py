@@ -111,7 +111,7 @@ def xdist_workers(pytest_args: list[str]) -> int:
     """Workers for a group's run: HMA_XDIST=N (0: serial), else one per idle CPU (CPUs
     less the 1-minute load average), at most XDIST_MAX; 0 (serial) below two, when the run
     asks for one process, or when the venv lacks pytest-xdist. On a 2-core machine that
-    other jobs keep busy, 2 workers measured 7-11 % slower than one process (README)."""
+    other jobs keep busy, 2 workers measured 7-11 % slower than one process (measured 2026-12-01)."""
     want = os.environ.get("HMA_XDIST", "").strip()
     if want and not want.isdigit():
         raise UserError(f"HMA_XDIST={want!r} is not a number of workers; use HMA_XDIST=0 "
