@@ -526,9 +526,11 @@ def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
         g = groups.setdefault(key, {"n": 0, "before": {}, "after": {}, "why": ""})
         g["n"] += 1
         for side, res in (("before", before), ("after", after)):
-            st, why = res["cases"].get(nid) or module_errors.get(nid.split("::")[0]) if (
-                side == "before") else res["cases"].get(nid, ("not run", ""))
-            st, why = (st, why) if st else ("not run", "")
+            if side == "before":
+                got = res["cases"].get(nid) or module_errors.get(nid.split("::")[0])
+            else:
+                got = res["cases"].get(nid)
+            st, why = got or ("not run", "")
             g[side][st] = g[side].get(st, 0) + 1
             if side == "before" and st in ("failed", "error") and not g["why"]:
                 g["why"] = why

@@ -345,9 +345,10 @@ def test_the_fs_tier_fixes_are_units_of_their_own():
     fs = {n: [p.name[:4] for p in u.patches] for n, u in units.items() if n.startswith("fs-")}
     assert fs == {
         "fs-partial-batch-load": ["0005"], "fs-complete-stores": ["0006"],
-        "fs-size-checked-loads": ["0007"], "fs-unloadable-miss": ["0005", "0006", "0008"],
-        "fs-stale-temp-files": ["0009"], "fs-failure-report": ["0010"],
-        "fs-config-json": ["0009", "0011"], "fs-o-direct-reprobe": ["0009", "0011", "0012"]}
+        "fs-size-checked-loads": ["0005", "0006", "0007"], "fs-unloadable-miss": ["0005", "0006", "0008"],
+        "fs-stale-temp-files": ["0006", "0009"], "fs-failure-report": ["0010"],
+        "fs-config-json": ["0006", "0009", "0010", "0011"],
+        "fs-o-direct-reprobe": ["0005", "0006", "0007", "0009", "0010", "0011", "0012"]}
     for n in fs:
         assert units[n].tests and all("::test_" in t for t in units[n].tests), n
     tests = [t for n in fs for t in units[n].tests]
