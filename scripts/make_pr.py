@@ -659,7 +659,8 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         overview[-1] += " Related: " + ", ".join(refs) + "."
     bases, own = builds_on
     if bases:
-        overview += ["", f"Builds on {', '.join(f'`pr/{b}`' for b in bases)}: their commits come "
+        overview += ["", f"Builds on {', '.join(f'`pr/{b}`' for b in bases)}: "
+                     + ("its" if len(bases) == 1 else "their") + " commits come "
                      "first; this PR's own change is the last "
                      + (f"{own} commits." if own > 1 else "commit.")]
     claims = [f"- {c}" for c in unit.claims] or [f"- {s}" for s, _ in msgs]
@@ -673,15 +674,18 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     else:
         n_cases = len(after["cases"])
         n_fail = sum(v[0] in ("failed", "error") for v in before["cases"].values())
-        result += [f"{n_cases} test cases in `{tests}`: {n_fail} fail on `{tag}` and pass with "
-                   f"this change; the others pass on both.", ""]
+        others = "; the others pass on both" if n_fail < n_cases else ""
+        result += [f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`: {n_fail} "
+                   f"fail{'s' if n_fail == 1 else ''} on `{tag}` and pass with this change"
+                   f"{others}.", ""]
         shown = failing[:6]
         if shown:
             result += [f"| test | `{tag}` | this PR |", "| --- | --- | --- |"]
             result += [f"| {a} | {b[:90]}{'...`' if len(b) > 90 else ''} | {c} |"
                        for a, b, c in shown]
             result += [""]
-        result += fold(f"All {len(rows)} tests, before and after", [
+        result += [] if len(shown) == len(rows) else fold(
+            f"All {len(rows)} tests, before and after", [
             f"| test | before ({tag}) | after ({branch}) |", "| --- | --- | --- |",
             *[f"| {a} | {b} | {c} |" for a, b, c in rows]])
     result += ["vLLM's pre-commit hooks: "
