@@ -13,6 +13,7 @@ is replaced by writing known bytes into the primary tier's rows, and the
 CPU->GPU copy by reading them back.
 """
 
+import contextlib
 import errno
 import json
 import logging
@@ -1024,6 +1025,95 @@ def test_connector_scheduler_cold_restart_hits_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("layout", ["llama", "gemma3"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "key_file"])
+def test_requests_with_another_cache_salt_never_load_disk_blocks(
+    model_config, tmp_path, sha256_block_hashes, layout, keyed
+):
+    """Tenants of one server share its disk tier; their requests carry a
+    cache_salt, which is part of the first block's hash (and so of every
+    later block's). A tenant's blocks on disk are found by its own requests
+    after a cold start, through the real connector scheduler, and never by
+    a request with the same prompt and another salt or none: the salt is
+    what separates tenants of one server (the tier's key file separates
+    engines sharing a store; both at once here when keyed)."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        SchedulerOffloadConfig,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    vllm_config, kv_cache_config = make_configs(
+        model_config, layout, str(tmp_path / "fs"), 64
+    )
+    if keyed:
+        key_file = tmp_path / "key"
+        key_file.write_bytes(os.urandom(32))
+        os.chmod(key_file, 0o600)
+        assert vllm_config.kv_transfer_config is not None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra["secondary_tiers"][0]["key_file"] = str(key_file)
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    lcm = math.lcm(
+        *(
+            g.offloaded_block_size
+            for g in SchedulerOffloadConfig.from_spec(spec).kv_group_configs
+        )
+    )
+    num_tokens = 4 * lcm + 5
+
+    def request(req_id: str, cache_salt: str | None) -> Request:
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(spec.hash_block_size, sha256),
+        )
+
+    assert _store_requests(spec, [request("a0", "tenant-a")]) > 0
+
+    sched = OffloadingConnectorScheduler(
+        TieringOffloadingSpec(vllm_config, kv_cache_config)
+    )
+    fs_tier = sched.manager.secondary_tiers[0]
+    loads: list = []
+    submit_load = fs_tier.submit_load
+
+    def recorded_load(job):
+        loads.append(list(job.keys))
+        submit_load(job)
+
+    fs_tier.submit_load = recorded_load
+    try:
+
+        def matched(req: Request) -> int | None:
+            for _ in range(200):
+                num_hit_tokens, _ = sched.get_num_new_matched_tokens(req, 0)
+                if num_hit_tokens is not None:
+                    return num_hit_tokens
+                list(sched.take_events())  # end of engine step
+                time.sleep(0.005)
+            return None
+
+        # other tenants first: nothing of tenant a's is found or loaded
+        assert matched(request("b0", "tenant-b")) == 0
+        assert matched(request("n0", None)) == 0
+        assert loads == [], "another tenant's request loaded disk blocks"
+        # the same tenant after the restart: hits every group's blocks
+        own = request("a1", "tenant-a")
+        assert matched(own) == 4 * lcm
+        assert loads and {k for job in loads for k in job} <= {
+            k for g in _sched_config_keys(sched, own) for k in g
+        }
+    finally:
+        sched.shutdown()
+
+
 @pytest.mark.parametrize(
     "layout", ["llama", "gemma3", "gemma4", "qwen3_5", "deepseek_v4"]
 )
@@ -1084,6 +1174,45 @@ def test_promotion_never_evicts_blocks_reported_ready(
         assert all(b.ref_cnt in (-1, 0) for b in blocks)
     finally:
         sched.shutdown()
+
+
+@pytest.mark.parametrize("cache_policy", ["lru", "arc"])
+def test_blocks_reported_ready_after_an_eviction_stay_too(
+    model_config, tmp_path, cache_policy
+):
+    """One engine step looks up hits and blocks only on disk, interleaved,
+    with a full CPU tier: each promotion evicts. Every block lookup()
+    reported ready in the step, before and after the promotions' evictions,
+    must still be in the CPU tier when the scheduler loads it in the same
+    step, with its bytes."""
+    root_dir = str(tmp_path / "fs")
+    vllm_config, kv_cache_config = make_configs(
+        model_config, "llama", root_dir, 4, {"eviction_policy": cache_policy}
+    )
+    manager = TieringOffloadingSpec(vllm_config, kv_cache_config).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    ctx = ReqContext(req_id="req0")
+    a, b, c, d, e, f = request_keys(0, num_blocks=6, num_groups=1)
+    try:
+        store(manager, [a, b, c, d], ctx)
+        store(manager, [e, f], ctx)  # evicts a and b: on disk only
+        assert ref_cnt(manager, a) is None and ref_cnt(manager, b) is None
+
+        # one step: c ready, a promoted (evicts), e ready, b promoted (evicts)
+        results = {key: manager.lookup(key, ctx) for key in (c, a, e, b)}
+        assert results == {c: True, a: None, e: True, b: None}
+        spec = manager.prepare_load([c, e], ctx)
+        assert isinstance(spec, CPULoadStoreSpec)
+        rows = cpu_rows(manager)
+        for key, block_id in zip((c, e), spec.block_ids):
+            np.testing.assert_array_equal(
+                rows[block_id], block_bytes(key, rows.shape[1])
+            )
+        list(manager.take_events())  # the step ends
+        manager.complete_load([c, e], ctx)
+        load(manager, [a, b], ctx)  # the promoted blocks arrive
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -1169,7 +1298,10 @@ _RANDOM_CPU_BLOCKS = 8  # fewer than the keys of 4 groups: evictions happen
 _SETTLE_STEPS = 3
 
 
-def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget_chunks", [None, 1], ids=["unbounded", "max_bytes"])
+def test_random_sequences_keep_the_invariants(
+    model_config, tmp_path, monkeypatch, budget_chunks
+):
     """Random interleavings of lookup, load (prepare/complete), store
     (prepare/complete, failed GPU copies included), engine step ends,
     reset_cache, disk files removed or overwritten behind the tier's back and
@@ -1180,7 +1312,9 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
     both used and free, every block in the CPU tier that is ready holds the
     bytes stored for its key (checked on every load too), no block stays in
     flight, no .tmp file is left once the tier's jobs finished; a request
-    left alone settles within a few steps."""
+    left alone settles within a few steps. With a max_bytes of one chunk
+    (of every group): the tier's files never take more than max_bytes once
+    its jobs finished, and at most one store job more while they run."""
     hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st
@@ -1228,6 +1362,21 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
         )
         for layout in _RANDOM_LAYOUTS
     }
+    max_bytes: dict[str, int] = {}
+    if budget_chunks is not None:
+        for layout in _RANDOM_LAYOUTS:
+            # a file: a CPU row plus crc32's page-sized trailer
+            row = TieringOffloadingSpec(*configs[layout]).cpu_page_size_per_worker
+            max_bytes[layout] = (
+                budget_chunks * len(GPU_BLOCK_SIZES[layout]) * (row + mmap.PAGESIZE)
+            )
+            configs[layout] = make_configs(
+                model_config,
+                layout,
+                root_dir,
+                _RANDOM_CPU_BLOCKS,
+                {"secondary_tiers": [{**tier_config, "max_bytes": max_bytes[layout]}]},
+            )
     counts = Counter()
 
     class TieringMachine(RuleBasedStateMachine):
@@ -1262,6 +1411,7 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             self.tier.submit_store = counted(submit_store)
             self.tier.get_finished = counted_finished
             self.groups = len(GPU_BLOCK_SIZES[layout])
+            self.max_bytes = max_bytes.get(layout)
             self.rows = cpu_rows(manager)
             self.hashes = [
                 f"{layout}-blk{b}".encode().ljust(32, b"\0")
@@ -1438,8 +1588,27 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             deadline = time.monotonic() + _TIMEOUT_S
             while len(self.tier._pool._finished_q) < self.outstanding:
                 assert time.monotonic() < deadline, "the fs tier's jobs did not finish"
+                if self.max_bytes is not None:
+                    # a store job writes at most every key of a request
+                    job = (
+                        _RANDOM_HASHES
+                        * self.groups
+                        * (self.max_bytes // (budget_chunks * self.groups))
+                    )
+                    assert self.disk_bytes() <= self.max_bytes + job
                 time.sleep(0.001)
             self.check()
+
+        def disk_bytes(self) -> int:
+            """Bytes of the tier's block and temporary files (a file
+            removed while walking counts as gone)."""
+            total = 0
+            for d, _, fs in os.walk(root_dir):
+                for f in fs:
+                    if f.endswith((".bin", ".tmp")):
+                        with contextlib.suppress(FileNotFoundError):
+                            total += os.path.getsize(os.path.join(d, f))
+            return total
 
         def check(self) -> None:
             manager = self.manager
@@ -1483,6 +1652,9 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             if any(f.endswith(".bin") for f in files):
                 config = self.tier.file_mapper.get_config_file_path()
                 assert os.path.isfile(config), "blocks stored without config.json"
+            if self.max_bytes is not None:
+                used = self.disk_bytes()
+                assert used <= self.max_bytes, f"{used} bytes > max_bytes"
 
         def teardown(self) -> None:
             manager = self.manager
@@ -1501,6 +1673,8 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
                     == _RANDOM_CPU_BLOCKS
                 ), "slots leaked"
             finally:
+                if self.max_bytes is not None:
+                    counts["files evicted"] += self.tier._budget.evicted_files
                 del self.rows  # the primary tier's buffer is unmapped
                 manager.shutdown()
 
@@ -1517,3 +1691,5 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
         ),
     )
     print(f"hypothesis {hypothesis.__version__}: {dict(counts)}")
+    if budget_chunks is not None:
+        assert counts["files evicted"], "the budget never evicted"

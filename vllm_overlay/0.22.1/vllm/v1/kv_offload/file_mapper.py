@@ -3,6 +3,7 @@
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -92,6 +93,7 @@ class FileMapper:
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
         checksum: dict | None = None,
+        file_stem: Callable[[bytes], str] | None = None,
     ):
         """
         Initialize the file mapper. Each worker constructs its own, but
@@ -100,7 +102,9 @@ class FileMapper:
         to 0 so multiple parallelism layouts collapse into the same folder.
         A `checksum` (the fields of the checksum stored with each block)
         gives the files their own folder, so that files without it (or with
-        another) are never read as if they had it.
+        another) are never read as if they had it. `file_stem` maps a block
+        hash to its files' name (default: its hex), e.g. a keyed hash, so
+        that names cannot be computed from the prefix.
         """
         if parallel_agnostic:
             tp_size = pp_size = pcp_size = dcp_size = 1
@@ -121,6 +125,7 @@ class FileMapper:
         if checksum is not None:
             self.fields["checksum"] = checksum
         self.base_path: str = self._compute_base_path(root_dir, self.fields)
+        self._file_stem = file_stem
 
     @classmethod
     def from_offloading_spec(
@@ -130,6 +135,7 @@ class FileMapper:
         gpu_blocks_per_file: int = 1,
         parallel_agnostic: bool = False,
         checksum: dict | None = None,
+        file_stem: Callable[[bytes], str] | None = None,
     ) -> "FileMapper":
         """Build a FileMapper from an OffloadingSpec."""
         vllm_config = offloading_spec.vllm_config
@@ -161,12 +167,21 @@ class FileMapper:
             kv_cache_groups=kv_cache_groups,
             parallel_agnostic=parallel_agnostic,
             checksum=checksum,
+            file_stem=file_stem,
         )
 
     def get_file_name(self, key: OffloadKey) -> str:
         """Map an OffloadKey to <base>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash>.bin."""
-        hash_hex = get_offload_block_hash(key).hex()
-        group_idx = get_offload_group_idx(key)
+        block_hash = get_offload_block_hash(key)
+        if self._file_stem is None:
+            hash_hex = block_hash.hex()
+        else:
+            hash_hex = self._file_stem(block_hash)
+        return self.get_stem_file_name(hash_hex, get_offload_group_idx(key))
+
+    def get_stem_file_name(self, hash_hex: str, group_idx: int) -> str:
+        """The file of a file-name stem (what get_file_name() names a block
+        hash's files by) and a group, e.g. for a file found on disk."""
         subfolder1, subfolder2 = hash_hex[:3], hash_hex[3:5]
         return (
             f"{self.base_path}_r{self.rank}"
@@ -175,6 +190,12 @@ class FileMapper:
 
     def get_run_config(self) -> dict:
         return dict(self.fields)
+
+    def layout_id(self) -> str:
+        """The sha256 of the fields (what base_path's digest abbreviates):
+        identifies the layout of this rank's files."""
+        canonical = json.dumps(self.fields, sort_keys=True, separators=(",", ":"))
+        return f"{hashlib.sha256(canonical.encode()).hexdigest()}_r{self.rank}"
 
     def get_config_file_path(self) -> str:
         return f"{self.base_path}/{_CONFIG_FILENAME}"

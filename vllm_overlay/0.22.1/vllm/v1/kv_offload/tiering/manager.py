@@ -18,11 +18,13 @@ Key Design Principles:
    "data is being promoted, try later"
 5. ref_cnt as eviction protection — primary.prepare_read() increments ref_cnt,
    protecting blocks from eviction until complete_read() is called
-6. A ready block stays while the step looks up — lookup() pins every block
-   it reports ready (ref_cnt) until the step's stores (prepare_store()) or
-   its end (take_events()), so no promotion in the same step evicts it (e.g.
-   a request's block of another KV cache group); a promotion that finds no
-   evictable block is a miss, not a retry
+6. A ready block stays while the step looks up — no promotion evicts a
+   block lookup() reported ready earlier in the step (e.g. a request's block
+   of another KV cache group) until the step's stores (prepare_store()) or
+   its end (take_events()): a promotion that must evict first pins (ref_cnt)
+   the blocks reported ready since the last such pinning, so a hit costs one
+   list append; a promotion that finds no evictable block is a miss, not a
+   retry
 7. reset_cache() never waits — secondary-tier transfers in flight at a
    reset keep their primary slots out of reuse until they finish, and their
    results are then discarded; a stuck tier cannot hang the engine
@@ -32,7 +34,7 @@ Key Design Principles:
 """
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -110,9 +112,14 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self.complete_write = self.complete_store
 
         self._kv_memoryview = mmap_region.create_kv_memoryview()
-        # LRU's touch of one key, without building a list per lookup
+        # The block of a key or None: the policy's own dict lookup for LRU,
+        # without a Python call, since lookup() runs it for every key of
+        # every request the scheduler looks up.
         self._lru_blocks = (
             self._policy.blocks if isinstance(self._policy, LRUCachePolicy) else None
+        )
+        self.get_block: Callable[[OffloadKey], BlockStatus | None] = (
+            self._lru_blocks.get if self._lru_blocks is not None else self._policy.get
         )
 
     def reset_cache(self, in_use_slots: Collection[int] = ()) -> None:
@@ -145,26 +152,27 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         """Hand back slots kept out of reuse by reset_cache()."""
         self._free_list.extend(block_ids)
 
-    def lookup_and_pin(self, key: OffloadKey) -> BlockStatus | bool | None:
-        """lookup() that also pins a ready block: protects it from eviction
-        (ref_cnt + 1; the caller decrements it), marks it most recently used
-        and returns it. False if absent, None if being written.
+    def has_free_slot(self) -> bool:
+        """Whether a store of one block needs no eviction."""
+        return self._get_num_free_blocks() > 0
 
-        One policy lookup per key: this runs for every key of every request
-        the scheduler looks up. (The primary tier has no store_threshold
-        tracker, which lookup() would also update.)
-        """
-        block = self._policy.get(key)
-        if block is None:
-            return False
-        if not block.is_ready:
-            return None
-        block.ref_cnt += 1
+    def pin(self, keys: Collection[OffloadKey]) -> list[BlockStatus]:
+        """Protect the ready blocks of keys from eviction (ref_cnt + 1; the
+        caller decrements it) and mark them most recently used, in order, so
+        that eviction, which scans from the least recently used end, does not
+        walk over them. Returns their blocks."""
+        blocks: list[BlockStatus] = []
+        for key in keys:
+            block = self.get_block(key)
+            assert block is not None and block.is_ready, f"{key!r} is not ready"
+            block.ref_cnt += 1
+            blocks.append(block)
         if self._lru_blocks is not None:
-            self._lru_blocks.move_to_end(key)
+            for key in keys:
+                self._lru_blocks.move_to_end(key)
         else:
-            self._policy.touch((key,))
-        return block
+            self._policy.touch(reversed(list(keys)))
+        return blocks
 
     def get_kv_memoryview(self) -> memoryview:
         """Return the memoryview over the primary tier's KV cache buffer.
@@ -241,9 +249,12 @@ class TieringOffloadingManager(OffloadingManager):
         # _RESET_FLUSH_STEPS engine steps, as [steps left, slots].
         self._flushing_slots: list[tuple[int, list[int]]] = []
 
-        # Blocks lookup() reported ready during this engine step, pinned
-        # (ref_cnt + 1) until the step's first prepare_store() or
-        # take_events(): O(1) per hit, O(hits) per step.
+        # Keys lookup() reported ready during this engine step and not yet
+        # pinned: pinned (_pinned_this_step) only when a promotion must
+        # evict, so that a step without one pays a list append per hit.
+        self._ready_this_step: list[OffloadKey] = []
+        # Blocks pinned (ref_cnt + 1) until the step's first prepare_store()
+        # or take_events(): each hit is pinned at most once, O(hits) per step.
         self._pinned_this_step: list[BlockStatus] = []
         # Set when a promotion found no evictable block in this step: later
         # promotions in the step are misses at once, instead of each one
@@ -341,14 +352,16 @@ class TieringOffloadingManager(OffloadingManager):
             False — block not found in any tier, or primary is full
                     and cannot accept a promotion.
         """
-        self._maybe_process_finished_jobs()
+        if not self._processed_jobs_this_step:  # the first call of the step
+            self._maybe_process_finished_jobs()
 
-        # A ready block stays pinned until the step's stores or its end.
-        primary_hit = self.primary_tier.lookup_and_pin(key)
-        if primary_hit is None:
-            return None
-        if primary_hit is not False:
-            self._pinned_this_step.append(primary_hit)
+        # The hit path, per key of every request looked up: one dict lookup.
+        block = self.primary_tier.get_block(key)
+        if block is not None:
+            if block.ref_cnt < 0:
+                return None  # being written
+            # kept from promotions' evictions until the step's stores or end
+            self._ready_this_step.append(key)
             return True
 
         any_none = False
@@ -390,17 +403,26 @@ class TieringOffloadingManager(OffloadingManager):
                 self._release_orphaned_slots(block_ids)
         self._flushing_slots = still_flushing
 
-    def _unpin_step(self) -> None:
-        """Release lookup()'s pins. They protect what lookup() reported ready
-        to a request until the scheduler loads it (prepare_load()) later in
-        the step: a promotion evicting it would make the request miss it on
-        the next step, promote it again and evict another of its blocks,
-        forever. The hit also counted as a use, so that eviction, which scans
-        from the least recently used end, does not walk over pinned blocks.
+    def _pin_ready(self) -> None:
+        """Pin the blocks lookup() reported ready since the last pinning,
+        before a promotion evicts. The pins protect what lookup() reported
+        ready to a request until the scheduler loads it (prepare_load())
+        later in the step: a promotion evicting it would make the request
+        miss it on the next step, promote it again and evict another of its
+        blocks, forever. Nothing but a promotion or a store evicts in a step,
+        and a store releases the pins first, so pinning here, not at the
+        hit, protects the same blocks.
         """
-        for block in self._pinned_this_step:
-            block.ref_cnt -= 1
-        self._pinned_this_step.clear()
+        self._pinned_this_step.extend(self.primary_tier.pin(self._ready_this_step))
+        self._ready_this_step.clear()
+
+    def _unpin_step(self) -> None:
+        """Release lookup()'s pins (see _pin_ready())."""
+        self._ready_this_step.clear()
+        if self._pinned_this_step:
+            for block in self._pinned_this_step:
+                block.ref_cnt -= 1
+            self._pinned_this_step.clear()
         self._primary_full_this_step = False
 
     def _initiate_promotion(
@@ -432,6 +454,8 @@ class TieringOffloadingManager(OffloadingManager):
         # preventing duplicate promotion attempts.
         if self._primary_full_this_step:
             return False
+        if self._ready_this_step and not self.primary_tier.has_free_slot():
+            self._pin_ready()  # this promotion evicts
         primary_write_result = self.primary_tier.prepare_write([key], req_context)
 
         if primary_write_result is None:

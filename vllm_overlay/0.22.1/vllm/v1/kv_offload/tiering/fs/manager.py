@@ -27,20 +27,54 @@ Integrity (the tier config's "checksum", off by default):
     (on 64 KiB blocks, 20-35% measured with bench/disk_bench.py on a small
     VM): turn it on where silent corruption is a concern.
 
+Keyed namespace (the tier config's "key_file", off by default):
+    For a store shared by several engines (NFS, a PVC): with a key read from
+    a private file (fs/security.py), block files are named by a keyed hash
+    of the block hash and carry an HMAC-SHA256 of the block's identity
+    (layout and key) and bytes in the checksum's trailer, checked on load.
+    Without the key nobody can compute where a prefix's block lives, test
+    whether it is cached, or plant a file that loads: a planted or altered
+    file is a miss, counted in the rate-limited failure report. Engines
+    sharing a root share the key; another key is another namespace.
+
+File modes (the tier config's "group_access", off by default):
+    KV blocks are users' data. Block files, temp files and config.json are
+    created 0600 and the tier's directories 0700, set exactly whatever the
+    process umask; with "group_access": true, 0640 and 2770 (setgid, group
+    writable: the group's engines store into each other's directories), for
+    a root shared by service accounts of one group. Files and directories of the
+    tier's tree with wider modes (from before, or made by hand) are counted
+    by the start-up walk and reported once, with an example and the fix.
+    A root (or a parent) that others can write or that another user owns is
+    refused at start (fs/security.py). Block files are opened with
+    O_NOFOLLOW and, where /proc is mounted, checked to be where their path
+    says (not behind a symlinked directory): a symbolic link in the tree is
+    a miss, never read, written or removed through.
+
+Budget (the tier config's "max_bytes", unbounded by default):
+    The tier's files never exceed max_bytes by more than one store job: a
+    store evicts first, whole chunks (every group's file) of the least
+    recently used prefix tails, never a chunk with a transfer in flight; a
+    store that cannot fit fails for the keys that do not. Existing files are
+    indexed at start, in the background. See budget.py.
+
 File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
 """
 
 import contextlib
+import errno
 import functools
 import json
 import os
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import (
@@ -49,15 +83,25 @@ from vllm.v1.kv_offload.tiering.base import (
     JobResult,
     SecondaryTierManager,
 )
+from vllm.v1.kv_offload.tiering.fs.budget import (
+    FsTierBudget,
+    JobTicket,
+    validate_max_bytes,
+)
 from vllm.v1.kv_offload.tiering.fs.io import (
     CHECKSUMS,
+    GROUP_MODES,
+    PRIVATE_MODES,
     BlockChecksum,
-    _get_tmp_suffix,
+    BlockMac,
     load_block,
+    make_dirs,
     probe_direct_io,
-    remove_stale_tmp_files,
+    scan_tier_files,
     store_block,
+    write_file_atomically,
 )
+from vllm.v1.kv_offload.tiering.fs.security import check_root_dir, load_key_file
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 if TYPE_CHECKING:
@@ -65,9 +109,19 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+
+def _skip() -> None:
+    """The store task of a block the budget does not keep: the chunk before
+    it in its prompt is not on disk, so it could never hit from there."""
+
+
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again with the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
+
+
+def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
+    return bytes.fromhex(file_stem(block_hash))
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -95,6 +149,9 @@ class FileSystemTierManager(SecondaryTierManager):
         n_write_threads: int = 16,
         cleanup_stale_tmp_after_seconds: float | None = 3600.0,
         checksum: str = "none",
+        group_access: bool = False,
+        key_file: str | None = None,
+        max_bytes: int | None = None,
     ):
         """
         Args:
@@ -114,6 +171,19 @@ class FileSystemTierManager(SecondaryTierManager):
                 mismatch (a file overwritten in place, another key's block,
                 a flipped bit) makes the key a miss. Part of the file
                 layout: each setting has its own directory.
+            group_access: create files 0640 and directories 2770 (the
+                group's engines read blocks and store into each other's
+                directories) instead of 0600 and 0700.
+            key_file: path of a private file holding a secret of at least
+                32 bytes (never the secret itself): a keyed namespace for a
+                shared root. File names become a keyed hash of the block
+                hash, and each block file carries an HMAC-SHA256 of the
+                block's identity and bytes, checked on load (a mismatch is
+                a miss). Engines sharing a root share the key file; another
+                key is another namespace. Replaces 'checksum'.
+            max_bytes: the most bytes this tier's files may take on disk
+                (at least one chunk of every KV cache group); None: no limit.
+                Engines sharing root_dir each keep their own budget.
         """
         if cleanup_stale_tmp_after_seconds is not None and (
             cleanup_stale_tmp_after_seconds < 0
@@ -121,6 +191,24 @@ class FileSystemTierManager(SecondaryTierManager):
             raise ValueError(
                 f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
                 f"be >= 0 or null (no cleanup), got {cleanup_stale_tmp_after_seconds}"
+            )
+        if not isinstance(group_access, bool):
+            raise ValueError(
+                f"group_access of the '{tier_type}' tier must be true or false, "
+                f"got {group_access!r}"
+            )
+        self._modes = GROUP_MODES if group_access else PRIVATE_MODES
+        check_root_dir(root_dir, tier_type, group_access)
+        tier_key = (
+            load_key_file(key_file, tier_type, group_access)
+            if key_file is not None
+            else None
+        )
+        if tier_key is not None and checksum != "none":
+            raise ValueError(
+                f"the '{tier_type}' tier's key_file replaces its checksum (a "
+                "keyed MAC checks every block): remove 'checksum' or set it "
+                "to 'none'"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
 
@@ -138,13 +226,35 @@ class FileSystemTierManager(SecondaryTierManager):
         self._checksum: BlockChecksum | None = (
             BlockChecksum(checksum, self._block_size) if checksum != "none" else None
         )
+        file_format = self._checksum.describe() if self._checksum else None
+        if tier_key is not None:
+            # keyed files live apart from unkeyed ones; the key is not named
+            file_format = {
+                **BlockMac.describe_format(self._block_size),
+                "file_names": "keyed-blake2b-128",
+            }
 
         # Create file mapper
         self.file_mapper = FileMapper.from_offloading_spec(
-            root_dir=root_dir,
+            # resolved, so that I/O can tell a symlink in the tree
+            root_dir=os.path.realpath(root_dir),
             offloading_spec=offloading_spec,
             gpu_blocks_per_file=offloading_spec.block_size_factor,
-            checksum=self._checksum.describe() if self._checksum else None,
+            checksum=file_format,
+            file_stem=tier_key.file_stem if tier_key is not None else None,
+        )
+        if tier_key is not None:
+            self._checksum = BlockMac(
+                tier_key.mac_key, self._block_size, self.file_mapper.layout_id()
+            )
+
+        # bytes of one block file; a chunk has one per KV cache group
+        self._file_size = self._block_size + (
+            self._checksum.trailer_size if self._checksum else 0
+        )
+        num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
+        self._max_bytes = validate_max_bytes(
+            max_bytes, max(1, num_groups) * self._file_size, tier_type
         )
 
         # Write config file
@@ -157,7 +267,7 @@ class FileSystemTierManager(SecondaryTierManager):
         # on filesystems that support it; otherwise use buffered I/O.
         self._probe_dir = os.path.dirname(config_path)
         reason, transient = probe_direct_io(
-            self._probe_dir, primary_kv_view, self._block_size
+            self._probe_dir, primary_kv_view, self._block_size, self._modes
         )
         self._direct_io: bool = reason is None
         # when to probe again after a transient failure (None: never)
@@ -191,6 +301,8 @@ class FileSystemTierManager(SecondaryTierManager):
         # store jobs: the keys they store over such a file
         self._rewrites: dict[JobId, list[OffloadKey]] = {}
         self._load_jobs: set[JobId] = set()
+        # what each job holds of the budget (see FsTierBudget.finish_job())
+        self._budget_tickets: dict[JobId, JobTicket] = {}
 
         self._pool = DualQueueThreadPool(
             n_read_threads,
@@ -199,25 +311,71 @@ class FileSystemTierManager(SecondaryTierManager):
             label=f"{tier_type} tier at {root_dir}",
         )
 
-        # Remove the temp files of writers that died between writing a block
-        # and renaming it into place, in the background (the walk can be long):
-        # this rank's block directory, and the config's (the O_DIRECT probe's
-        # and config.json's).
+        # Walk the tier's files in the background (the walk can be long):
+        # remove the temp files of writers that died between writing a block
+        # and renaming it into place, and count files with wider modes than
+        # the tier's. This rank's block directory, and the config's (the
+        # O_DIRECT probe's and config.json's).
         self._stop_tmp_cleanup = threading.Event()
-        self._tmp_cleanup: threading.Thread | None = None
-        if cleanup_stale_tmp_after_seconds is not None:
-            block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
-            self._tmp_cleanup = threading.Thread(
-                target=self._remove_stale_tmp_files,
-                args=(
-                    (os.path.dirname(config_path), block_dir),
-                    cleanup_stale_tmp_after_seconds,
-                    root_dir,
-                ),
-                name="vllm_kv_py_fs_tmp_cleanup",
-                daemon=True,
+        block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        self._tmp_cleanup = threading.Thread(
+            target=self._scan_tier_files,
+            args=(
+                (os.path.dirname(config_path), block_dir),
+                cleanup_stale_tmp_after_seconds,
+                root_dir,
+            ),
+            name="vllm_kv_py_fs_tmp_cleanup",
+            daemon=True,
+        )
+        self._tmp_cleanup.start()
+
+        self._budget: FsTierBudget | None = None
+        if self._max_bytes is not None:
+            chunk_id: Callable[[bytes], bytes] | None = None
+            if tier_key is not None:
+                # keyed files: the budget indexes chunks by their file names
+                chunk_id = functools.partial(_keyed_chunk_id, tier_key.file_stem)
+            self._budget = FsTierBudget(
+                self._max_bytes,
+                self._file_size,
+                f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
+                self.file_mapper.get_file_name,
+                lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
+                f"{tier_type} tier at {root_dir}",
+                prefix_groups=[
+                    i
+                    for i, group in enumerate(
+                        offloading_spec.kv_cache_config.kv_cache_groups
+                    )
+                    # what the connector looks up as a prefix (full attention)
+                    if not isinstance(
+                        group.kv_cache_spec, (SlidingWindowSpec, MambaSpec)
+                    )
+                ]
+                or None,
+                chunk_id=chunk_id,
             )
-            self._tmp_cleanup.start()
+            logger.info(
+                "fs_python tier at %s: max_bytes=%d (%d chunk files of %d "
+                "bytes); indexing the files of earlier runs in the background",
+                root_dir,
+                self._max_bytes,
+                self._max_bytes // self._file_size,
+                self._file_size,
+            )
+            with contextlib.suppress(OSError):
+                st = os.statvfs(root_dir)
+                free = st.f_bavail * st.f_frsize
+                if self._max_bytes > free:
+                    logger.warning(
+                        "fs_python tier at %s: max_bytes=%d is more than the "
+                        "free space of its filesystem (%d bytes): stores will "
+                        "fail once the disk is full",
+                        root_dir,
+                        self._max_bytes,
+                        free,
+                    )
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of this directory's files) unless it
@@ -226,17 +384,9 @@ class FileSystemTierManager(SecondaryTierManager):
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
             return False
-        os.makedirs(os.path.dirname(config_path), exist_ok=True)
-        tmp_path = config_path + _get_tmp_suffix()
-        try:
-            with open(tmp_path, "w") as f:
-                json.dump(
-                    self.file_mapper.get_run_config(), f, indent=2, sort_keys=True
-                )
-            os.replace(tmp_path, config_path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp_path)
+        make_dirs(os.path.dirname(config_path), self._modes)
+        config = json.dumps(self.file_mapper.get_run_config(), indent=2, sort_keys=True)
+        write_file_atomically(config_path, config.encode(), self._modes)
         return True
 
     def _on_new_dir(self) -> None:
@@ -262,28 +412,45 @@ class FileSystemTierManager(SecondaryTierManager):
                 e,
             )
 
-    def _remove_stale_tmp_files(
-        self, directories: tuple[str, ...], max_age_s: float, root_dir: str
+    def _scan_tier_files(
+        self, directories: tuple[str, ...], max_age_s: float | None, root_dir: str
     ) -> None:
         try:
-            removed, removed_bytes = remove_stale_tmp_files(
-                directories, max_age_s, self._stop_tmp_cleanup
+            scan = scan_tier_files(
+                directories, max_age_s, self._modes, self._stop_tmp_cleanup
             )
         except Exception as e:
             logger.warning(
-                "fs_python tier at %s: could not remove stale temporary files: %s",
+                "fs_python tier at %s: could not scan the tier's files: %s",
                 root_dir,
                 e,
             )
             return
-        if removed:
+        if scan.removed:
             logger.info(
                 "fs_python tier at %s: removed %d stale temporary file(s) "
                 "(%d bytes, not modified for %.0f s)",
                 root_dir,
-                removed,
-                removed_bytes,
+                scan.removed,
+                scan.removed_bytes,
                 max_age_s,
+            )
+        if scan.too_open_example is not None:
+            path, mode = scan.too_open_example
+            logger.warning(
+                "fs_python tier at %s: %d file(s) and directories of the tier "
+                "have wider modes than %o (files) / %o (directories), e.g. %s "
+                "(mode %o): users other than the tier's %s read or change "
+                "cached KV blocks there. Restrict them, e.g. chmod -R %s %s",
+                root_dir,
+                scan.too_open,
+                self._modes.file,
+                self._modes.dir,
+                path,
+                mode,
+                "and its group may" if self._modes is GROUP_MODES else "may",
+                "o-rwx" if self._modes is GROUP_MODES else "go-rwx",
+                root_dir,
             )
 
     def lookup(
@@ -291,7 +458,22 @@ class FileSystemTierManager(SecondaryTierManager):
     ) -> bool | None:
         if key in self._unloadable:
             return False
-        return os.path.exists(self.file_mapper.get_file_name(key))
+        try:
+            st = os.lstat(self.file_mapper.get_file_name(key))
+        except OSError:
+            return False
+        # a symbolic link is never read through (load_block: O_NOFOLLOW)
+        if stat.S_ISLNK(st.st_mode):
+            return False
+        if self._budget is not None:
+            # kept until the promotion the tiering manager submits for it
+            self._budget.on_hit(key)
+        return True
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._budget is not None and req_context is not None:
+            # a request's keys in prompt order: where a store finds parents
+            self._budget.note_order(req_context.req_id, keys)
 
     def _reprobe_direct_io(self) -> None:
         """Probe O_DIRECT again after a transient failure (on an I/O thread,
@@ -299,7 +481,7 @@ class FileSystemTierManager(SecondaryTierManager):
         I/O and, if the failure may still pass, probe again later."""
         try:
             reason, transient = probe_direct_io(
-                self._probe_dir, self._primary_kv_view, self._block_size
+                self._probe_dir, self._primary_kv_view, self._block_size, self._modes
             )
         except OSError as e:  # the probe file could not even be created
             reason, transient = str(e), True
@@ -327,10 +509,39 @@ class FileSystemTierManager(SecondaryTierManager):
 
         return run
 
+    @staticmethod
+    def _after_removals(
+        remove: Callable[[list[str]], None],
+        evicted: list[str],
+        task: Callable[[], None],
+    ) -> None:
+        remove(evicted)
+        task()
+
+    def _reject(self, key: OffloadKey) -> None:
+        raise OSError(
+            errno.ENOSPC,
+            f"no room in max_bytes={self._max_bytes}: every indexed block file "
+            "is in use by a transfer",
+        )
+
     def submit_store(self, job_metadata: JobMetadata) -> None:
         unloadable = self._unloadable
+        rejected: Collection[OffloadKey] = ()
+        unreachable: Collection[OffloadKey] = ()
+        evicted: list[str] = []
+        if self._budget is not None:
+            # reserve the job's bytes (evicting first), pin its chunks
+            rejected, unreachable, evicted, ticket = self._budget.admit_store(
+                job_metadata.keys, job_metadata.req_context.req_id
+            )
+            self._budget_tickets[job_metadata.job_id] = ticket
         tasks: Iterable[Callable[[], None]] = (
-            functools.partial(
+            functools.partial(self._reject, key)
+            if rejected and key in rejected
+            else _skip
+            if unreachable and key in unreachable
+            else functools.partial(
                 store_block,
                 self.file_mapper.get_file_name(key),
                 self._primary_kv_view,
@@ -341,6 +552,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 key,
                 self._checksum,
                 self._on_new_dir,
+                self._modes,
             )
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
         )
@@ -354,6 +566,14 @@ class FileSystemTierManager(SecondaryTierManager):
             self._reprobe_at = None
             tasks = (
                 self._with_reprobe(t) if i == 0 else t for i, t in enumerate(tasks)
+            )
+        if evicted and self._budget is not None:
+            # each task first removes its share of the evicted files
+            n = len(job_metadata.keys)
+            remove = self._budget.remove_evicted
+            tasks = (
+                functools.partial(self._after_removals, remove, evicted[i::n], t)
+                for i, t in enumerate(tasks)
             )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         if unloadable:
@@ -378,6 +598,10 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._load_jobs.add(job_metadata.job_id)
+        if self._budget is not None:
+            self._budget_tickets[job_metadata.job_id] = self._budget.pin_load(
+                job_metadata.keys
+            )
         self._pool.enqueue_load(job_metadata.job_id, len(job_metadata.keys), tasks)
 
     def get_finished(self) -> Iterable[JobResult]:
@@ -385,8 +609,15 @@ class FileSystemTierManager(SecondaryTierManager):
         Collect completed jobs from the finished-jobs queue.
         """
         results = []
+        budget = self._budget
+        if budget is not None:
+            budget.end_step()
         for job_id, failed in self._pool.get_finished():
             keys = self._job_keys.pop(job_id)
+            if budget is not None:
+                budget.finish_job(
+                    self._budget_tickets.pop(job_id), [keys[i] for i in failed]
+                )
             is_load = job_id in self._load_jobs
             self._load_jobs.discard(job_id)
             rewrites = self._rewrites.pop(job_id, None)
@@ -420,6 +651,7 @@ class FileSystemTierManager(SecondaryTierManager):
         active threads to complete.
         """
         self._stop_tmp_cleanup.set()
-        if self._tmp_cleanup is not None:
-            self._tmp_cleanup.join()
+        self._tmp_cleanup.join()
         self._pool.shutdown(wait=True)
+        if self._budget is not None:
+            self._budget.shutdown()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.base import JobId
+from vllm.v1.kv_offload.tiering.fs.io import BlockIntegrityError
 
 logger = init_logger(__name__)
 
@@ -40,15 +41,26 @@ class FailureReport:
         self._jobs = 0
         self._failed = {"write": 0, "read": 0}
         self._blocks = {"write": 0, "read": 0}
+        # reads that failed their checksum or MAC (damaged or planted files)
+        self._integrity = 0
         self._last_error: str | None = None
         self._next_report = 0.0
 
-    def record(self, op: str, failed: int, blocks: int, error: str | None) -> None:
-        """op is "write" (a store) or "read" (a load) of a job's blocks."""
+    def record(
+        self,
+        op: str,
+        failed: int,
+        blocks: int,
+        error: str | None,
+        integrity: int = 0,
+    ) -> None:
+        """op is "write" (a store) or "read" (a load) of a job's blocks;
+        *integrity* of the *failed* failed their checksum or MAC."""
         with self._lock:
             self._jobs += 1
             self._failed[op] += failed
             self._blocks[op] += blocks
+            self._integrity += integrity
             self._last_error = error
             line = self._take_line_if_due()
         if line is not None:
@@ -74,8 +86,14 @@ class FailureReport:
         return self._take_line()
 
     def _take_line(self) -> tuple:
+        integrity = (
+            f" ({self._integrity} of them failed the integrity check: damaged "
+            "or planted files)"
+            if self._integrity
+            else ""
+        )
         line = (
-            "%s: %d of %d block writes and %d of %d block reads failed in %d "
+            "%s: %d of %d block writes and %d of %d block reads%s failed in %d "
             "job(s) since the previous report; failed writes are not stored "
             "and failed reads are not served (recomputed instead). Last "
             "error: %s",
@@ -84,10 +102,12 @@ class FailureReport:
             self._blocks["write"],
             self._failed["read"],
             self._blocks["read"],
+            integrity,
             self._jobs,
             self._last_error,
         )
         self._jobs = 0
+        self._integrity = 0
         self._failed = {"write": 0, "read": 0}
         self._blocks = {"write": 0, "read": 0}
         return line
@@ -106,6 +126,7 @@ class JobState:
         "_completed",
         "failed",
         "first_error",
+        "integrity_failures",
         "op",
         "_lock",
     )
@@ -120,6 +141,8 @@ class JobState:
         self.failed: list[int] = []
         # kept as text: an exception's traceback would pin the I/O buffers
         self.first_error: str | None = None
+        # failed tasks whose block failed its checksum or MAC
+        self.integrity_failures = 0
         self._lock = threading.Lock()
 
     @property
@@ -136,6 +159,8 @@ class JobState:
             self._completed += 1
             if error is not None:
                 self.failed.append(task_idx)
+                if isinstance(error, BlockIntegrityError):
+                    self.integrity_failures += 1
                 if self.first_error is None:
                     self.first_error = str(error)
             return self._completed == self._n_tasks
@@ -262,6 +287,10 @@ class DualQueueThreadPool:
             if job_finished:
                 if state.failed:
                     self._failures.record(
-                        state.op, len(state.failed), state.n_tasks, state.first_error
+                        state.op,
+                        len(state.failed),
+                        state.n_tasks,
+                        state.first_error,
+                        state.integrity_failures,
                     )
                 self._finished_q.append((state.job_id, state.failed))

@@ -1,0 +1,563 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""
+Regression tests for the fs_python tier's byte budget (max_bytes).
+
+Through the real offloading connector scheduler, the real
+TieringOffloadingManager with its CPU primary tier, and the real fs_python
+tier writing real files (the GPU copies are replaced by writing known bytes
+into the CPU tier's rows, as in test_tiering_hma.py): the tier's files stay
+within max_bytes after every step of a workload larger than it, a prefix
+loses its tail before its head (no kept file is unreachable), and a restart
+over files beyond the budget trims them the same way. At the tier itself: a
+file with a load in flight, or reported present by lookup(), is never
+evicted under it; two tiers on one root keep their own budgets; bad
+settings are refused.
+"""
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_fs_tier import _CTX, _MOCK_OFFLOADING_SPEC, _aligned_rows, _finish, make_job
+from test_tiering_hma import (  # noqa: F401 (fixtures)
+    _load_hit,
+    _remove_shm_regions,
+    block_bytes,
+    cpu_rows,
+    make_configs,
+    model_config,
+    ref_cnt,
+    sha256_block_hashes,
+    wait_for,
+)
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def disk_bytes(root_dir: str) -> int:
+    """Bytes of the tier's block files and temporary files under root_dir
+    (a file removed while walking counts as gone)."""
+    total = 0
+    for d, _, files in os.walk(root_dir):
+        for f in files:
+            if f.endswith((".bin", ".tmp")):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(d, f))
+    return total
+
+
+def block_files(root_dir: str) -> set[str]:
+    """Stems (<hash hex>_g<group>) of the block files under root_dir."""
+    return {
+        f"{f[:-4]}_g{d.rsplit('_g', 1)[1]}"
+        for d, _, files in os.walk(root_dir)
+        for f in files
+        if f.endswith(".bin")
+    }
+
+
+def stem(key: OffloadKey) -> str:
+    return f"{key[:-4].hex()}_g{int.from_bytes(key[-4:], 'big')}"
+
+
+def tier_config(root_dir: str, **config) -> dict:
+    return {
+        "type": "fs_python",
+        "root_dir": root_dir,
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+        **config,
+    }
+
+
+def file_bytes(spec: TieringOffloadingSpec) -> int:
+    """Bytes of one block file: one row of the CPU tier (one worker)."""
+    return spec.cpu_page_size_per_worker
+
+
+def make_request(spec: TieringOffloadingSpec, req_id: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(spec.hash_block_size, sha256),
+    )
+
+
+def serve(sched, request, on_step=None) -> int:
+    """What the engine does with one request through the real connector
+    scheduler: look it up (promotions from disk take steps), load the hit,
+    schedule the rest of the prompt in one step, write the bytes its store
+    job copies into the CPU tier's rows, report the job done (the cascade to
+    disk follows) and finish the request. on_step() runs after every engine
+    step. Returns the tokens hit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    manager = sched.manager
+
+    def end_step():
+        list(sched.take_events())
+        if on_step is not None:
+            on_step()
+
+    for _ in range(200):
+        hit, _ = sched.get_num_new_matched_tokens(request, 0)
+        if hit is not None:
+            break
+        end_step()
+        time.sleep(0.002)
+    else:
+        raise AssertionError("lookup deferred forever")
+    if hit:
+        _load_hit(sched, request, hit, 1)
+        end_step()
+    request.num_computed_tokens = hit
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [
+        SimpleNamespace(
+            req_id=request.request_id,
+            block_ids=tuple(
+                list(range(1 + 4096 * g, 2 + 4096 * g + request.num_tokens // size))
+                for g, size in enumerate(
+                    c.gpu_block_size for c in sched.config.kv_group_configs
+                )
+            ),
+        )
+    ]
+    output.num_scheduled_tokens = {request.request_id: request.num_tokens - hit}
+    meta = sched.build_connector_meta(output)
+    rows = cpu_rows(manager)
+    worker_meta = OffloadingWorkerMetadata()
+    stored: list[OffloadKey] = []
+    for job_id in meta.store_jobs:
+        for key in sched._jobs[job_id].keys:
+            block = manager.primary_tier._policy.get(key)
+            rows[block.block_id] = block_bytes(key, rows.shape[1])
+            stored.append(key)
+        worker_meta.mark_completed(job_id)
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+    )
+    request.status = RequestStatus.FINISHED_STOPPED
+    sched.request_finished(request)
+    end_step()
+    # the cascade to disk finishes
+    wait_for(lambda: all(ref_cnt(manager, k) in (0, None) for k in stored), manager)
+    end_step()
+    return hit
+
+
+def max_hit_tokens(sched, request) -> int:
+    """The most the connector can hit of a request: whole chunks of every
+    group, one token short of the prompt for sliding-window layouts."""
+    import math
+
+    sizes = [c.offloaded_block_size for c in sched.config.kv_group_configs]
+    limit = request.num_tokens - (1 if sched._sliding_window_groups else 0)
+    return limit // math.lcm(*sizes) * math.lcm(*sizes)
+
+
+def unreachable_share(
+    prompt_keys: list[list[list[OffloadKey]]],
+    files: set[str],
+    group_configs=None,
+) -> float:
+    """Kept block files that can never hit because an earlier chunk of their
+    prompt in a full-attention group is gone, over all kept files.
+    prompt_keys: per prompt, per group, the keys in order; group_configs:
+    the connector's (offloaded block size, sliding window or None) per
+    group; None: group 0 is full attention and all have one block size."""
+    unreachable: set[str] = set()
+    for groups in prompt_keys:
+        sizes = (
+            [c.offloaded_block_size for c in group_configs]
+            if group_configs
+            else [1] * len(groups)
+        )
+        full = (
+            [c.sliding_window_size_in_blocks is None for c in group_configs]
+            if group_configs
+            else [g == 0 for g in range(len(groups))]
+        )
+        # the first token not covered by a kept full-attention chunk
+        end = min(
+            next((i for i, k in enumerate(keys) if stem(k) not in files), len(keys))
+            * size
+            for keys, size, is_full in zip(groups, sizes, full)
+            if is_full
+        )
+        for keys, size in zip(groups, sizes):
+            unreachable.update(
+                stem(k)
+                for j, k in enumerate(keys)
+                if (j + 1) * size > end and stem(k) in files
+            )
+    return len(unreachable) / max(1, len(files))
+
+
+def sched_for(spec: TieringOffloadingSpec):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    return OffloadingConnectorScheduler(spec)
+
+
+def prompt_keys_of(sched, request) -> list[list[OffloadKey]]:
+    from test_tiering_hma import _sched_config_keys
+
+    return _sched_config_keys(sched, request)
+
+
+# ---------------------------------------------------------------------------
+# Through the real connector scheduler
+# ---------------------------------------------------------------------------
+
+_CHUNKS = 6  # chunks per prompt: a shared head of 3, a tail of 3
+
+
+def shared_prefix_prompts(n: int, num_heads: int = 2) -> list[list[int]]:
+    """n prompts of _CHUNKS chunks (16 tokens each) plus one token: every
+    prompt shares its first half with the others of its head."""
+    prompts = []
+    for p in range(n):
+        head = [(11 * i + 101 * (p % num_heads)) % 500 for i in range(3 * 16)]
+        tail = [(7 * i + 13 * p + 1) % 500 for i in range(3 * 16 + 1)]
+        prompts.append(head + tail)
+    return prompts
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma3", "gemma4"])
+def test_budget_holds_and_prefixes_stay_whole(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    sha256_block_hashes,  # noqa: F811
+    layout,
+):
+    """A shared-prefix workload of 12 prompts, larger than the budget
+    (about three prompts): after every engine step the tier's files take at
+    most max_bytes plus one store job; at the end they take at most
+    max_bytes, and no kept file is unreachable (every kept chunk's earlier
+    chunks are kept, in every group: a prefix lost its tail first)."""
+    root_dir = str(tmp_path / "fs")
+    probe = TieringOffloadingSpec(*make_configs(model_config, layout, root_dir, 64))
+    num_groups = len(probe.kv_cache_config.kv_cache_groups)
+    chunk = num_groups * file_bytes(probe)
+    max_bytes = 10 * chunk
+    vllm_config, kv_cache_config = make_configs(
+        model_config,
+        layout,
+        root_dir,
+        64,
+        {"secondary_tiers": [tier_config(root_dir, max_bytes=max_bytes)]},
+    )
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    sched = sched_for(spec)
+    manager = sched.manager
+    assert isinstance(manager, TieringOffloadingManager)
+    peak = [0]
+
+    def measure():
+        used = disk_bytes(root_dir)
+        peak[0] = max(peak[0], used)
+        # one store job writes at most one prompt's chunks
+        assert used <= max_bytes + _CHUNKS * chunk, (used, max_bytes)
+
+    all_keys = []
+    try:
+        for p, tokens in enumerate(shared_prefix_prompts(12)):
+            request = make_request(spec, f"req{p}", tokens)
+            all_keys.append(prompt_keys_of(sched, request))
+            serve(sched, request, measure)
+            assert disk_bytes(root_dir) <= max_bytes
+    finally:
+        sched.shutdown()
+    files = block_files(root_dir)
+    assert peak[0] > max_bytes // 2  # the workload filled the budget
+    configs = sched.config.kv_group_configs
+    assert unreachable_share(all_keys, files, configs) == 0
+    # the last prompt is kept whole (its chunks are the most recent), and
+    # a cold engine hits it from disk, in every group
+    assert all(stem(k) in files for keys in all_keys[-1] for k in keys)
+    sched = sched_for(TieringOffloadingSpec(vllm_config, kv_cache_config))
+    try:
+        last = make_request(spec, "again", shared_prefix_prompts(12)[-1])
+        assert serve(sched, last) == max_hit_tokens(sched, last)
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "key_file"])
+def test_restart_over_budget_trims_tails_first(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    sha256_block_hashes,  # noqa: F811
+    keyed,
+):
+    """Files of an earlier run beyond the budget (a larger one then): at
+    start the tier indexes them in the background and trims them to
+    max_bytes, tail first (the kept files of each prompt are a prefix of
+    it: the order comes from the tier's journal, not file times), and a
+    request of a kept prefix hits after the restart. With a key_file the
+    files are named by a keyed hash: the same, by those names."""
+    layout = "gemma3"
+    root_dir = str(tmp_path / "fs")
+    key_config = {}
+    if keyed:
+        key_path = tmp_path / "tier.key"
+        key_path.write_bytes(bytes(range(32)))
+        key_path.chmod(0o600)
+        key_config = {"key_file": str(key_path)}
+    probe = TieringOffloadingSpec(*make_configs(model_config, layout, root_dir, 64))
+    # the earlier run: a budget it does not reach, 8 prompts of 6 chunks
+    configs = make_configs(
+        model_config,
+        layout,
+        root_dir,
+        64,
+        {
+            "secondary_tiers": [
+                tier_config(root_dir, max_bytes=4000 * file_bytes(probe), **key_config)
+            ]
+        },
+    )
+    spec = TieringOffloadingSpec(*configs)
+    sched = sched_for(spec)
+    # a chunk's files: one per group (a key_file adds a MAC to each)
+    chunk = 2 * sched.manager.secondary_tiers[0]._file_size
+    requests_tokens = shared_prefix_prompts(8, num_heads=8)
+    all_keys = []
+    try:
+        for p, tokens in enumerate(requests_tokens):
+            request = make_request(spec, f"req{p}", tokens)
+            all_keys.append(prompt_keys_of(sched, request))
+            serve(sched, request)
+    finally:
+        sched.shutdown()
+    assert disk_bytes(root_dir) == 8 * _CHUNKS * chunk
+
+    max_bytes = 9 * chunk
+    vllm_config, kv_cache_config = make_configs(
+        model_config,
+        layout,
+        root_dir,
+        64,
+        {"secondary_tiers": [tier_config(root_dir, max_bytes=max_bytes, **key_config)]},
+    )
+    spec = TieringOffloadingSpec(vllm_config, kv_cache_config)
+    sched = sched_for(spec)
+    try:
+        (tier,) = sched.manager.secondary_tiers
+        assert tier._budget.scan_done.wait(30)
+        assert disk_bytes(root_dir) <= max_bytes
+        # the block stems of the prompts' keys whose files are kept
+        files = {
+            stem(k)
+            for keys in all_keys
+            for group_keys in keys
+            for k in group_keys
+            if os.path.exists(tier.file_mapper.get_file_name(k))
+        }
+        assert len(files) == len(block_files(root_dir))
+        assert unreachable_share(all_keys, files) == 0
+        kept = [p for p, keys in enumerate(all_keys) if stem(keys[0][0]) in files]
+        assert kept
+        # a kept prefix hits after the restart
+        p = kept[-1]
+        request = make_request(spec, f"again{p}", requests_tokens[p])
+        assert serve(sched, request) >= 16
+    finally:
+        sched.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# At the tier
+# ---------------------------------------------------------------------------
+
+
+def key(n: int) -> OffloadKey:
+    return make_offload_key(f"budget-{n}".encode().ljust(32, b"\0"), 0)
+
+
+def make_tier(root_dir: str, rows: np.ndarray, **config) -> FileSystemTierManager:
+    return FileSystemTierManager(
+        offloading_spec=_MOCK_OFFLOADING_SPEC,
+        primary_kv_view=memoryview(rows),
+        tier_type="fs_python",
+        root_dir=root_dir,
+        n_read_threads=2,
+        n_write_threads=2,
+        **config,
+    )
+
+
+def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
+    """Store each key in its own job (row i holds key i's bytes)."""
+    results = []
+    for i, k in enumerate(keys):
+        rows[i % len(rows)] = block_bytes(k, rows.shape[1])
+        tier.submit_store(make_job(first_job + i, [k], [i % len(rows)]))
+        results.extend(_finish(tier))
+    return results
+
+
+def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
+    """A budget of two files, both stored; one has a load in flight (held
+    in its read) and the other was reported present by lookup() in this
+    step: a store of new keys evicts neither (it fails, counted), the load
+    reads the stored bytes, and once both are released a store evicts."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    release = threading.Event()
+    load_block = fs_manager.load_block
+
+    def slow_load(*args, **kwargs):
+        assert release.wait(30)
+        return load_block(*args, **kwargs)
+
+    monkeypatch.setattr(fs_manager, "load_block", slow_load)
+    try:
+        a, b, c, d = key(1), key(2), key(3), key(4)
+        tier.touch([a], _CTX)
+        store_keys(tier, [a, b], 0, rows)
+        tier.submit_load(make_job(10, [a], [5], is_promotion=True))
+        assert tier.lookup(b, _CTX)  # reported present: its promotion follows
+        (result,) = store_keys(tier, [c], 20, rows)
+        assert not result.success  # no room: both files are in use
+        assert tier.lookup(c, _CTX) is False
+        release.set()
+        (loaded,) = _finish(tier)
+        assert loaded.success
+        np.testing.assert_array_equal(rows[5], block_bytes(a, page))
+        assert os.path.exists(tier.file_mapper.get_file_name(b))
+        # nothing in flight any more: the least recent is evicted for d
+        (result,) = store_keys(tier, [d], 30, rows)
+        assert result.success and tier.lookup(d, _CTX)
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
+    """Two engines' tiers on one root (the same model and layout: the same
+    directory), each with a budget of three files, store the same key and
+    then five of their own: each stays within its budget, the root within
+    the sum, and a file the other engine evicted is a miss for a tier that
+    indexed it (no error, no wrong bytes)."""
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    root = str(tmp_path)
+    first = make_tier(root, rows, max_bytes=3 * page)
+    second = make_tier(root, rows, max_bytes=3 * page)
+    try:
+        shared = key(0)
+        store_keys(first, [shared], 0, rows)
+        store_keys(second, [shared], 0, rows)
+        store_keys(first, [key(100 + i) for i in range(5)], 10, rows)
+        store_keys(second, [key(200 + i) for i in range(5)], 10, rows)
+        assert first._budget.used <= 3 * page
+        assert second._budget.used <= 3 * page
+        assert disk_bytes(root) <= 6 * page
+        assert first.lookup(shared, _CTX) is False  # evicted by both
+        # a load of a key another engine removed under it: a miss, not bytes
+        k = key(104)
+        assert first.lookup(k, _CTX)
+        os.remove(first.file_mapper.get_file_name(k))
+        first.submit_load(make_job(50, [k], [6], is_promotion=True))
+        (result,) = _finish(first)
+        assert not result.success and not list(result.successful_keys)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+@pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
+def test_bad_max_bytes_is_refused_before_any_thread_starts(tmp_path, max_bytes):
+    """max_bytes <= 0, not an integer, or smaller than one chunk of every
+    group: a ValueError naming the setting and the smallest valid value,
+    before the tier starts a thread."""
+    rows = _aligned_rows(2)
+    before = threading.active_count()
+    with pytest.raises(ValueError, match=r"max_bytes .* must be .*>= 4096"):
+        make_tier(str(tmp_path), rows, max_bytes=max_bytes)
+    assert threading.active_count() == before
+
+
+def test_budget_above_free_space_warns_once(tmp_path, caplog):
+    """A budget larger than the filesystem's free space: one warning at
+    start with both numbers."""
+    rows = _aligned_rows(2)
+    huge = 1 << 62
+    with caplog.at_level(logging.WARNING):
+        tier = make_tier(str(tmp_path), rows, max_bytes=huge)
+        tier.shutdown()
+    warnings = [
+        r.getMessage() for r in caplog.records if "free space" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and str(huge) in warnings[0], warnings
+
+
+def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
+    """The prompt-ordered key lists kept for finding parents are bounded
+    (MAX_TRACKED_KEYS, least recently touched requests dropped first), and
+    the journal of parents is compacted to the chunks still indexed: 50
+    requests of 4 chained chunks over a budget of 4 files."""
+    from vllm.v1.kv_offload.tiering.base import JobMetadata
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 64)
+    monkeypatch.setattr(budget_module, "SCAN_BATCH", 8)
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=4 * page)
+    budget = tier._budget
+    try:
+        for r in range(50):
+            ctx = ReqContext(f"req{r}")
+            keys = [key(1000 * r + i) for i in range(4)]
+            tier.touch(keys, ctx)
+            tier.submit_store(
+                JobMetadata(r, keys, np.arange(4, dtype=np.int64), False, ctx)
+            )
+            _finish(tier)
+            assert budget._order_keys <= 64
+            assert (
+                sum(len(o) for d in budget._orders.values() for o in d.values()) <= 64
+            )
+        # the last request's chunks are kept, linked head to tail
+        assert all(tier.lookup(key(49000 + i), _CTX) for i in range(4))
+        assert budget._chunks[key(49003)[:-4]].parent == key(49002)[:-4]
+    finally:
+        tier.shutdown()
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    record = 2 + 2 * 32
+    # 150 links written, compacted to those of the 4 indexed chunks
+    assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)

@@ -1,0 +1,563 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""
+Security of the fs_python tier: KV blocks are derived from users' prompts and
+the tier's directory outlives the process and is often shared, so
+
+- what the tier creates is private (0600 files, 0700 directories) whatever
+  the umask, and wider modes found at start are reported;
+- a root that others can write, or that another user owns, is refused, and
+  a symbolic link at a block's path is a miss, never read through;
+- with a key file, a shared store is a keyed namespace: file names cannot
+  be computed without the key, and a planted or altered block file fails
+  its MAC (a miss, counted); bad key files are refused before any thread
+  starts, and the key is never logged;
+
+Real files on disk throughout; the tier is driven as the tiering manager
+drives it (submit_store / submit_load / get_finished / lookup).
+"""
+
+import mmap
+import os
+import stat
+import threading
+import time
+from unittest.mock import MagicMock
+
+import numpy as np
+import pytest
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+_CTX = ReqContext(req_id="test")
+
+_SPEC = MagicMock()
+_SPEC.vllm_config.model_config.model = "test-model"
+_SPEC.vllm_config.cache_config.block_size = 16
+_SPEC.vllm_config.cache_config.cache_dtype = "torch.float32"
+_SPEC.vllm_config.parallel_config.tensor_parallel_size = 1
+_SPEC.vllm_config.parallel_config.pipeline_parallel_size = 1
+_SPEC.vllm_config.parallel_config.prefill_context_parallel_size = 1
+_SPEC.vllm_config.parallel_config.decode_context_parallel_size = 1
+_SPEC.vllm_config.parallel_config.rank = 0
+_SPEC.kv_cache_config.kv_cache_groups = []
+_SPEC.block_size_factor = 1
+_SPEC.hash_block_size = 16
+
+
+def key(n: int, group: int = 0) -> OffloadKey:
+    return make_offload_key(n.to_bytes(8, "big"), group)
+
+
+def job(job_id: int, keys: list[OffloadKey], block_ids: list[int], load=False):
+    return JobMetadata(
+        job_id=job_id,
+        keys=keys,
+        block_ids=np.array(block_ids, dtype=np.int64),
+        is_promotion=load,
+        req_context=_CTX,
+    )
+
+
+def rows(n_rows: int) -> np.ndarray:
+    """Page-aligned rows of one page each, so that O_DIRECT can be used."""
+    region = mmap.mmap(-1, n_rows * mmap.PAGESIZE)
+    return np.frombuffer(region, dtype=np.uint8).reshape(n_rows, mmap.PAGESIZE)
+
+
+def make_tier(root_dir, kv_rows: np.ndarray, **config) -> FileSystemTierManager:
+    return FileSystemTierManager(
+        offloading_spec=_SPEC,
+        primary_kv_view=memoryview(kv_rows),
+        tier_type="fs_python",
+        root_dir=str(root_dir),
+        n_read_threads=2,
+        n_write_threads=2,
+        **config,
+    )
+
+
+def finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
+    """The results of the next n_jobs jobs to finish."""
+    results: list = []
+    deadline = time.monotonic() + 60
+    while len(results) < n_jobs:
+        assert time.monotonic() < deadline, "the tier's jobs did not finish"
+        results.extend(tier.get_finished())
+        time.sleep(0.001)
+    return results
+
+
+def modes_under(top) -> dict[str, int]:
+    """Mode bits of *top* and of every file and directory under it."""
+    found = {str(top): stat.S_IMODE(os.lstat(top).st_mode)}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            found[path] = stat.S_IMODE(os.lstat(path).st_mode)
+    return found
+
+
+@pytest.fixture
+def permissive_umask():
+    """umask 0, as some container images run with: os.makedirs and open()
+    then create 0777 directories and 0666 files."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+# ---------------------------------------------------------------------------
+# (1) private by default
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "file_mode", "dir_mode"),
+    [({}, 0o600, 0o700), ({"group_access": True}, 0o640, 0o2770)],
+    ids=["private", "group_access"],
+)
+def test_tier_creates_private_files_under_a_permissive_umask(
+    tmp_path, permissive_umask, config, file_mode, dir_mode
+):
+    """Under umask 0, every file the tier creates (block files, config.json)
+    is 0600 and every directory (the missing root and its missing parents
+    included) 0700; with group_access 0640 and 2770. Before: 0666 files and
+    0777 directories, anyone could read the cached KV and plant files."""
+    root = tmp_path / "shared" / "kv"
+    kv = rows(4)
+    kv[:2] = 7
+    tier = make_tier(root, kv, **config)
+    try:
+        tier.submit_store(job(1, [key(1), key(2, group=1)], [0, 1]))
+        assert [r.success for r in finish(tier)] == [True]
+        tier.submit_store(job(2, [key(3)], [0]))
+        assert [r.success for r in finish(tier)] == [True]
+    finally:
+        tier.shutdown()
+    found = modes_under(tmp_path / "shared")
+    files = {p: m for p, m in found.items() if os.path.isfile(p)}
+    dirs = {p: m for p, m in found.items() if os.path.isdir(p)}
+    assert len(files) == 4, files  # config.json and 3 blocks
+    assert any(p.endswith("config.json") for p in files)
+    assert {p: oct(m) for p, m in files.items()} == {p: oct(file_mode) for p in files}
+    assert {p: oct(m) for p, m in dirs.items()} == {p: oct(dir_mode) for p in dirs}
+
+
+def test_group_access_must_be_a_bool(tmp_path):
+    with pytest.raises(ValueError, match="group_access of the 'fs_python' tier"):
+        make_tier(tmp_path, rows(2), group_access="yes")
+
+
+def test_wider_modes_found_at_start_are_reported_once(tmp_path, caplog):
+    """Block files and directories made readable by others (written before
+    this change, or by hand) are reported once at start with their count, an
+    example and the fix, instead of being used silently."""
+    kv = rows(4)
+    tier = make_tier(tmp_path, kv)
+    try:
+        tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+        assert [r.success for r in finish(tier)] == [True]
+        block = tier.file_mapper.get_file_name(key(1))
+    finally:
+        tier.shutdown()
+    os.chmod(block, 0o644)
+    os.chmod(os.path.dirname(block), 0o755)
+
+    with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = make_tier(tmp_path, kv)
+        try:
+            walk = getattr(tier, "_tmp_cleanup", None)  # runs in the background
+            if walk is not None:
+                walk.join()
+            tier.submit_load(job(2, [key(1)], [2], load=True))
+            assert [r.success for r in finish(tier)] == [True]
+        finally:
+            tier.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "wider modes" in r.getMessage()]
+    assert len(lines) == 1, "wider modes were not reported (once)"
+    assert f"fs_python tier at {tmp_path}: 2 file(s) and directories" in lines[0]
+    assert os.path.dirname(block) in lines[0]
+    assert f"chmod -R go-rwx {tmp_path}" in lines[0]
+
+
+# ---------------------------------------------------------------------------
+# (2) unsafe roots refused, symbolic links not followed
+# ---------------------------------------------------------------------------
+
+
+def _refused(root, **config) -> str:
+    """The ValueError message of a tier refused at start, which must come
+    before any thread starts or anything is created under *root*."""
+    threads = set(threading.enumerate())
+    before = sorted(os.listdir(root)) if os.path.isdir(root) else None
+    with pytest.raises(ValueError) as refused:
+        make_tier(root, rows(2), **config)
+    assert set(threading.enumerate()) <= threads, "refused after starting threads"
+    after = sorted(os.listdir(root)) if os.path.isdir(root) else None
+    assert after == before, "refused after creating files"
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("mode", "config", "refusal"),
+    [
+        (0o777, {}, "is writable by all users"),
+        (0o777, {"group_access": True}, "is writable by all users"),
+        (0o770, {}, "is writable by its group"),
+        (0o757, {}, "is writable by all users"),
+    ],
+)
+def test_a_root_others_can_write_is_refused(tmp_path, mode, config, refusal):
+    """A root writable by other users (or by its group, unless the tier
+    shares it with the group) without the sticky bit is refused at start,
+    naming the path, its mode and owner and the fix, before any thread
+    starts. Before: used as is, anyone could plant block files."""
+    root = tmp_path / "kv"
+    root.mkdir()
+    os.chmod(root, mode)
+    message = _refused(root, **config)
+    assert f"root_dir {str(root)!r} of the 'fs_python' tier is unsafe" in message
+    assert f"{root} (mode {mode:04o}, owner uid {os.geteuid()}" in message
+    assert refusal in message
+    assert f"Fix: chmod {'o-w' if config else 'go-w'} {root}" in message or (
+        f"Fix: chmod g-w {root}" in message and "'group_access': true" in message
+    )
+
+
+def test_a_parent_others_can_write_is_refused(tmp_path):
+    """A parent of the root that others can write (they could rename the
+    root away and put their own tree in its place) is refused; one with the
+    sticky bit, as /tmp has, is fine."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    message = _refused(parent / "kv")
+    assert f"a parent, {parent} (mode 0777" in message
+    os.chmod(parent, 0o1777)
+    make_tier(parent / "kv", rows(2)).shutdown()
+
+
+@pytest.mark.parametrize(
+    ("mode", "config"),
+    [(0o700, {}), (0o755, {}), (0o1777, {}), (0o770, {"group_access": True})],
+)
+def test_a_safe_root_is_used(tmp_path, mode, config):
+    root = tmp_path / "kv"
+    root.mkdir()
+    os.chmod(root, mode)
+    kv = rows(2)
+    kv[0] = 4
+    tier = make_tier(root, kv, **config)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert [r.success for r in finish(tier)] == [True]
+        assert tier.lookup(key(1), _CTX) is True
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
+    """A root (or parent) owned by another user, who could change its modes
+    or replace what is in it at any time, is refused at start."""
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o700)
+    other_uid = 54321
+    os.chown(root if where == "root" else tmp_path, other_uid, -1)
+    message = _refused(root)
+    assert f"owner uid {other_uid}" in message
+    assert "is owned by another user" in message
+    assert "Fix: run the engine as that user, or use a root_dir owned by" in message
+
+
+def test_a_symlink_at_a_block_path_is_a_miss(tmp_path):
+    """A symbolic link planted at a block's path (to a file of the right
+    size) is a miss: lookup says so, a load fails without reading through
+    it, and the link, not its target, is removed. Before: the target's
+    bytes were served as the key's KV, a successful load."""
+    kv = rows(4)
+    kv[0] = 1
+    tier = make_tier(tmp_path / "kv", kv)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert [r.success for r in finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        target = tmp_path / "elsewhere.bin"
+        target.write_bytes(bytes([9]) * os.path.getsize(path))
+        os.remove(path)
+        os.symlink(target, path)
+
+        looked_up = tier.lookup(key(1), _CTX)
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        (result,) = finish(tier)
+        assert not (kv[1] == 9).all(), "served a symlink's target as the key's KV"
+        assert not result.success
+        assert looked_up is False
+        assert not os.path.lexists(path)
+        assert target.read_bytes() == bytes([9]) * os.path.getsize(target)
+    finally:
+        tier.shutdown()
+
+
+def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path):
+    """A block's directory replaced by a symbolic link to another directory
+    holding a file of the block's name and size: the load fails without
+    serving it or removing it (it is not the tier's), the key is a miss from
+    then on, and a store does not write through the link either."""
+    kv = rows(4)
+    kv[0] = 1
+    tier = make_tier(tmp_path / "kv", kv)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert [r.success for r in finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        planted = elsewhere / os.path.basename(path)
+        planted.write_bytes(bytes([9]) * os.path.getsize(path))
+        block_dir = os.path.dirname(path)
+        os.remove(path)
+        os.rmdir(block_dir)
+        os.symlink(elsewhere, block_dir)
+
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        (result,) = finish(tier)
+        assert not result.success, "served a file behind a symlinked directory"
+        assert planted.read_bytes() == bytes([9]) * len(planted.read_bytes())
+        assert tier.lookup(key(1), _CTX) is False
+        kv[2] = 5
+        tier.submit_store(job(3, [key(1)], [2]))
+        (result,) = finish(tier)
+        assert not result.success
+        assert planted.read_bytes()[:1] == bytes([9])
+        assert sorted(os.listdir(elsewhere)) == [planted.name]
+    finally:
+        tier.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# (3) keyed namespace: names and a MAC derived from a key file
+# ---------------------------------------------------------------------------
+
+
+def key_file(path, secret: bytes | None = None, mode: int = 0o600) -> str:
+    path.write_bytes(os.urandom(32) if secret is None else secret)
+    os.chmod(path, mode)
+    return str(path)
+
+
+def _failure_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "failed in" in r.getMessage()]
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["key_file", "no_key"])
+def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
+    """Block hashes are deterministic (so that a restart hits), so anyone who
+    can write to a shared store can compute the file name of a known prefix
+    (a public system prompt) and plant a block file of the right size there.
+
+    Without a key (documents today's behaviour) the tier serves it as that
+    prefix's KV. With a key, the planted file at the computable name is
+    never looked at; and one planted at the keyed name (right size, and a
+    valid unkeyed xxh3_64 checksum trailer, as a tier with 'checksum' writes
+    it) fails the MAC on load: a miss, the file removed, and counted in the
+    tier's failure report."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
+    root = tmp_path / "kv"
+    kv = rows(4)
+    prefix = key(7)
+    tier = make_tier(root, kv, **config)
+    try:
+        # the attacker: the unkeyed name of the prefix, computed without the key
+        unkeyed = (
+            FileMapper(root_dir=str(root), **_mapper_fields(tier.file_mapper))
+            if keyed
+            else tier.file_mapper  # today's names: anyone can compute them
+        ).get_file_name(prefix)
+        evil = bytes([0xEE]) * kv.shape[1]
+        os.makedirs(os.path.dirname(unkeyed), exist_ok=True)
+        trailer = 0 if not keyed else tier._checksum.trailer_size
+        with open(unkeyed, "wb") as f:
+            f.write(evil + bytes(trailer))
+        if keyed:
+            from vllm.v1.kv_offload.tiering.fs.io import BlockChecksum
+
+            assert tier.file_mapper.get_file_name(prefix) != unkeyed
+            assert tier.lookup(prefix, _CTX) is False
+            # an insider who knows the keyed name still cannot forge the MAC
+            checksum = BlockChecksum("xxh3_64", kv.shape[1])
+            forged = bytearray(checksum.trailer_size)
+            forged[:8] = checksum.compute(bytes(prefix), memoryview(evil))
+            planted = tier.file_mapper.get_file_name(prefix)
+            os.makedirs(os.path.dirname(planted), exist_ok=True)
+            with open(planted, "wb") as f:
+                f.write(evil + bytes(forged))
+        else:
+            planted = unkeyed
+        assert tier.lookup(prefix, _CTX) is True
+        with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier.submit_load(job(1, [prefix], [0], load=True))
+            (result,) = finish(tier)
+        served = result.success and (kv[0] == 0xEE).all()
+        if not keyed:
+            assert served, "today a planted file is served as the prefix's KV"
+            return
+        assert not served, "served a planted block file as the prefix's KV"
+        assert not os.path.exists(planted)
+        assert tier.lookup(prefix, _CTX) is False
+        (line,) = _failure_lines(caplog)
+        assert "0 of 0 block writes and 1 of 1 block reads (1 of them failed " in line
+        assert "the integrity check: damaged or planted files)" in line
+        assert "hmac-sha256 MAC mismatch: not written with the tier's key" in line
+    finally:
+        tier.shutdown()
+
+
+def _mapper_fields(mapper) -> dict:
+    fields = dict(mapper.fields)
+    return {
+        "model_name": fields.pop("model_name"),
+        "hash_block_size": fields.pop("hash_block_size"),
+        "gpu_blocks_per_file": fields.pop("gpu_blocks_per_file"),
+        "tp_size": fields.pop("tp_size"),
+        "pp_size": fields.pop("pp_size"),
+        "pcp_size": fields.pop("pcp_size"),
+        "dcp_size": fields.pop("dcp_size"),
+        "rank": mapper.rank,
+        "dtype": fields.pop("dtype"),
+        "kv_cache_groups": fields.pop("kv_cache_groups"),
+        "checksum": fields.pop("checksum", None),
+    }
+
+
+@pytest.mark.parametrize("block_bytes", [mmap.PAGESIZE, 1280], ids=["aligned", "odd"])
+def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, block_bytes):
+    """Engines sharing a root and a key file share blocks across a restart;
+    an engine with another key (another namespace) neither finds them nor
+    loads them, and a keyed store never reuses unkeyed files."""
+    root = tmp_path / "kv"
+    same = key_file(tmp_path / "key")
+    other = key_file(tmp_path / "other-key")
+    kv = np.zeros((4, block_bytes), dtype=np.uint8)
+    kv[0], kv[1] = 3, 4
+    keys = [key(1), key(2, group=1)]
+    writer = make_tier(root, kv, key_file=same)
+    try:
+        writer.submit_store(job(1, keys, [0, 1]))
+        assert [r.success for r in finish(writer)] == [True]
+        names = [writer.file_mapper.get_file_name(k) for k in keys]
+    finally:
+        writer.shutdown()
+    for k, name in zip(keys, names):
+        assert get_offload_hash_hex(k) not in name
+
+    kv[:] = 0
+    restarted = make_tier(root, kv, key_file=same)
+    try:
+        assert [restarted.lookup(k, _CTX) for k in keys] == [True, True]
+        restarted.submit_load(job(2, keys, [2, 3], load=True))
+        assert [r.success for r in finish(restarted)] == [True]
+        assert (kv[2] == 3).all() and (kv[3] == 4).all()
+    finally:
+        restarted.shutdown()
+
+    for config in ({"key_file": other}, {}):
+        stranger = make_tier(root, kv, **config)
+        try:
+            assert [stranger.lookup(k, _CTX) for k in keys] == [False, False]
+        finally:
+            stranger.shutdown()
+
+
+def get_offload_hash_hex(k: OffloadKey) -> str:
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    return get_offload_block_hash(k).hex()
+
+
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("31 bytes", "is too short (31 bytes, at least 32 needed)"),
+        ("readable by others", "is accessible by others (mode 0644)"),
+        ("readable by its group", "is accessible by its group (mode 0640)"),
+        ("a directory", "is not a regular file"),
+        ("inline secret", "must be the absolute path of a file holding the key"),
+    ],
+)
+def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refusal):
+    """A key file that is missing, empty, shorter than 32 bytes, readable by
+    others (or by the group without group_access) or not a file is refused
+    with a ValueError naming the path and the fix, before any thread starts
+    and without the key's bytes in the message."""
+    path = tmp_path / "key"
+    secret = b"s3cr3t-" * 8
+    if case == "empty":
+        key_file(path, b"")
+    elif case == "31 bytes":
+        secret = secret[:31]
+        key_file(path, secret)
+    elif case == "readable by others":
+        key_file(path, secret, 0o644)
+    elif case == "readable by its group":
+        key_file(path, secret, 0o640)
+    elif case == "a directory":
+        path.mkdir()
+    value = secret.decode() if case == "inline secret" else str(path)
+    message = _refused(tmp_path / "kv", key_file=value)
+    assert refusal in message
+    assert "s3cr3t" not in message
+    if case != "inline secret":
+        assert f"key_file {str(path)!r} of the 'fs_python' tier" in message
+        assert "chmod 6" in message or "head -c 32 /dev/urandom" in message
+
+
+def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):
+    path = key_file(tmp_path / "key", mode=0o640)
+    make_tier(tmp_path / "kv", rows(2), key_file=path, group_access=True).shutdown()
+
+
+def test_the_key_is_never_logged_or_written(tmp_path, caplog):
+    """Neither the key nor the keys derived from it appear in the logs (of a
+    start, a store, a load, a failed load and a shutdown), in config.json,
+    or in the repr of the tier's objects."""
+    from vllm.v1.kv_offload.tiering.fs.security import _hkdf_sha256
+
+    secret = os.urandom(48)
+    path = key_file(tmp_path / "key", secret)
+    derived = [_hkdf_sha256(secret, info) for info in (b"file names", b"block MAC")]
+    kv = rows(4)
+    with caplog.at_level("DEBUG"):
+        tier = make_tier(tmp_path / "kv", kv, key_file=path)
+        try:
+            tier.submit_store(job(1, [key(1)], [0]))
+            assert [r.success for r in finish(tier)] == [True]
+            block = tier.file_mapper.get_file_name(key(1))
+            with open(block, "r+b") as f:
+                f.write(b"x")
+            tier.submit_load(job(2, [key(1)], [1], load=True))
+            assert [r.success for r in finish(tier)] == [False]
+            texts = [repr(tier._checksum), repr(tier.file_mapper.__dict__)]
+        finally:
+            tier.shutdown()
+    with open(tier.file_mapper.get_config_file_path()) as f:
+        texts.append(f.read())
+    texts += [r.getMessage() for r in caplog.records]
+    assert texts
+    for value in [secret, *derived]:
+        for form in (value.hex(), repr(value), value.hex()[:16]):
+            assert not [t for t in texts if form in t], "the key was logged"
+
+
+def test_a_key_file_replaces_the_checksum(tmp_path):
+    path = key_file(tmp_path / "key")
+    message = _refused(tmp_path / "kv", key_file=path, checksum="crc32")
+    assert "key_file replaces its checksum" in message

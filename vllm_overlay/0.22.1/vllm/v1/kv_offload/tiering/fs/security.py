@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""
+Start-up checks of what the fs_python tier trusts: its root directory and
+its key.
+
+The tier's files are users' KV blocks, served to every request that shares
+their prefix. Whoever can write into the root (or rename one of its
+parents) can replace the tree with their own and have their bytes served
+as a prefix's KV, or read what others' requests cached. So, as OpenSSH's
+StrictModes and PostgreSQL's data-directory check do, the root and each of
+its parents must be
+
+- owned by the engine's user or by root (uid 0), and
+- writable by nobody else: not by others, and not by the group unless the
+  tier shares its root with a group (group_access); a directory with the
+  sticky bit (/tmp) is fine, as only a file's owner may then rename or
+  remove it.
+
+A root that fails is refused with a ValueError that names the path, its
+mode and owner, and the fix, before the tier creates or starts anything.
+A root that does not exist yet is checked from its nearest existing parent
+(the tier creates the rest private). Symbolic links in the root's path are
+resolved first: the directories checked are the ones the tier will use.
+
+The key (the tier config's "key_file", optional) makes a shared root a
+keyed namespace: engines with the same key share blocks, others - and
+anyone with write access to the store but not the key - cannot compute
+where a prefix's block lives, test whether it is cached, or plant one that
+loads. It is read from a file (never inline in the config or the command
+line, which ps and the logs show) that must be private: owned by the
+engine's user or root, not readable by others (nor by the group unless
+group_access), and at least MIN_KEY_BYTES long. Two keys are derived from
+it (HKDF-SHA256, RFC 5869): one names the files, one MACs the blocks. The
+key and what is derived from it are never logged or written anywhere.
+"""
+
+import hashlib
+import hmac
+import os
+import pwd
+import stat
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)
+
+
+def _unsafe_reason(st: os.stat_result, uid: int, group_access: bool) -> str | None:
+    """Why a directory with stat *st* cannot be trusted, or None."""
+    if st.st_uid not in (uid, 0):
+        return "is owned by another user"
+    if st.st_mode & stat.S_ISVTX:
+        return None  # only a file's owner may rename or remove it
+    if st.st_mode & stat.S_IWOTH:
+        return "is writable by all users"
+    if st.st_mode & stat.S_IWGRP and not group_access:
+        return "is writable by its group"
+    return None
+
+
+def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> None:
+    """Raise ValueError unless *root_dir* and its parents are safe (see the
+    module docstring) for the tier *tier_type*."""
+    uid = os.geteuid()
+    path = os.path.realpath(root_dir)
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None  # created by the tier, private
+        if st is not None:
+            reason = _unsafe_reason(st, uid, group_access)
+            if reason is not None:
+                what = "root_dir" if path == os.path.realpath(root_dir) else "a parent"
+                mode = stat.S_IMODE(st.st_mode)
+                if reason == "is owned by another user":
+                    fix = (
+                        f"run the engine as that user, or use a root_dir owned by "
+                        f"uid {uid} (chown {uid} {path})"
+                    )
+                else:
+                    if "group" in reason:
+                        bits = "g-w"
+                    else:
+                        bits = "o-w" if group_access else "go-w"
+                    fix = (
+                        f"chmod {bits} {path}, or use a root_dir whose directories "
+                        "only the engine's user (and with group_access its group) "
+                        "can write"
+                    )
+                    if "group" in reason:
+                        fix += "; or set the tier's 'group_access': true"
+                raise ValueError(
+                    f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
+                    f"{what}, {path} (mode {mode:04o}, owner uid "
+                    f"{_owner_name(st.st_uid)}), {reason}, who could read, replace "
+                    f"or plant the cached KV blocks. Fix: {fix}"
+                )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+MIN_KEY_BYTES = 32
+MAX_KEY_BYTES = 4096
+
+_KEY_FIX = (
+    "create it with `head -c 32 /dev/urandom > {path} && chmod 600 {path}` "
+    "and give every engine that shares root_dir the same file"
+)
+
+
+def _hkdf_sha256(secret: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) with a fixed salt: one 32-byte output."""
+    prk = hmac.digest(b"vllm fs_python tier key v1", secret, "sha256")
+    return hmac.digest(prk, info + b"\x01", "sha256")
+
+
+class TierKey:
+    """The two keys derived from the tier's key file: file names and the
+    blocks' MAC. Its repr never shows them."""
+
+    __slots__ = ("_name_key", "mac_key")
+
+    def __init__(self, secret: bytes) -> None:
+        self._name_key = _hkdf_sha256(secret, b"file names")
+        self.mac_key = _hkdf_sha256(secret, b"block MAC")
+
+    def file_stem(self, block_hash: bytes) -> str:
+        """The keyed name of a block hash's files: without the key, nobody
+        can compute where a prefix's block lives or test whether it exists.
+        Keyed BLAKE2b: about a third of HMAC-SHA256's cost on a 32-byte
+        input (this runs on the scheduler's thread, once per lookup)."""
+        return hashlib.blake2b(
+            block_hash, key=self._name_key, digest_size=16
+        ).hexdigest()
+
+    def __repr__(self) -> str:
+        return "TierKey(<redacted>)"
+
+
+def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierKey:
+    """Read and check the tier's key file; ValueError naming the path and
+    the fix if it is missing, not a regular file, not private, empty, too
+    short or too long. The message never holds the key's bytes."""
+    if not isinstance(key_file, str) or not os.path.isabs(key_file):
+        # not echoed: it may be the key itself, given inline by mistake
+        raise ValueError(
+            f"key_file of the '{tier_type}' tier must be the absolute path of "
+            "a file holding the key (never the key itself, which ps and the "
+            "logs would show)"
+        )
+    prefix = f"key_file {key_file!r} of the '{tier_type}' tier"
+    fix = _KEY_FIX.format(path=key_file)
+    try:
+        fd = os.open(key_file, os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise ValueError(f"{prefix} does not exist: {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{prefix} cannot be read ({e.strerror}): {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{prefix} is not a regular file: {fix}")
+        mode = stat.S_IMODE(st.st_mode)
+        allowed = 0o740 if group_access else 0o700
+        if mode & ~allowed & 0o077:
+            who = "others" if mode & 0o007 else "its group"
+            raise ValueError(
+                f"{prefix} is accessible by {who} (mode {mode:04o}): anyone "
+                f"who reads it can plant blocks that load. Fix: chmod "
+                f"{'640' if group_access else '600'} {key_file}"
+            )
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(
+                f"{prefix} is owned by another user (uid "
+                f"{_owner_name(st.st_uid)}): chown it to uid {os.geteuid()}"
+            )
+        secret = os.read(fd, MAX_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not secret:
+        raise ValueError(f"{prefix} is empty: {fix}")
+    if len(secret) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"{prefix} is too short ({len(secret)} bytes, at least "
+            f"{MIN_KEY_BYTES} needed): {fix}"
+        )
+    if len(secret) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"{prefix} is longer than {MAX_KEY_BYTES} bytes (is it the "
+            f"right file?): {fix}"
+        )
+    return TierKey(secret)
