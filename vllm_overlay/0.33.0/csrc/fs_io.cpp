@@ -22,16 +22,34 @@ extern "C" {
 
 namespace {
 
-// Returns 0 on success, or the std::error_code's POSIX-compatible value on
-// failure, mirroring the errno convention used by the syscalls below.
-inline int ensure_parent_dirs(const std::string& path) {
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (parent.empty()) {
-    return 0;
+// Creates the missing parent directories of `path` with exactly `dir_mode`
+// (mkdir, then chmod: std::filesystem::create_directories and mkdir alone
+// give 0777 & ~umask). KV blocks are users' data: the tier's directories are
+// private (0700) unless the tier shares its root with a group. Returns 0 on
+// success, or the errno of the failing step.
+inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
+  std::vector<std::filesystem::path> missing;
+  struct stat st;
+  for (auto dir = std::filesystem::path(path).parent_path();
+       !dir.empty() && stat(dir.c_str(), &st) != 0;
+       dir = dir.parent_path()) {
+    missing.push_back(dir);
+    if (dir == dir.parent_path()) {
+      break;
+    }
   }
-  std::error_code ec;
-  std::filesystem::create_directories(parent, ec);
-  return ec ? ec.value() : 0;
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (mkdir(it->c_str(), dir_mode) != 0) {
+      if (errno == EEXIST) {
+        continue;  // created by another thread or engine meanwhile
+      }
+      return errno;
+    }
+    if (chmod(it->c_str(), dir_mode) != 0) {
+      return errno;
+    }
+  }
+  return 0;
 }
 
 // Whether `path` is a regular file of exactly `size` bytes (not a symlink).
@@ -46,14 +64,16 @@ inline bool is_complete_block(const char* path, size_t size) {
 // Core single-block store: src/size are raw pointer + byte count. Returns 0
 // on success, or the errno of the failing step on failure -- captured
 // before any subsequent cleanup call can overwrite it. On failure, the temp
-// file is removed.
+// file is removed. Files are created with exactly `file_mode` (fchmod after
+// open, whatever the umask), directories with `dir_mode`.
 inline int _store_block(const char* tmp_path, const char* dest_path,
-                        const char* src, size_t size, bool use_o_direct) {
+                        const char* src, size_t size, bool use_o_direct,
+                        mode_t file_mode, mode_t dir_mode) {
   if (is_complete_block(dest_path, size)) {
     return 0;  // Already present. Anything else at the path is replaced.
   }
 
-  if (const int err = ensure_parent_dirs(dest_path); err != 0) {
+  if (const int err = ensure_parent_dirs(dest_path, dir_mode); err != 0) {
     return err;
   }
 
@@ -66,10 +86,17 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
   }
 
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
-  const int fd = open(
-      tmp_path, O_CREAT | O_EXCL | O_WRONLY | O_TRUNC | o_direct_flag, 0644);
+  const int fd =
+      open(tmp_path, O_CREAT | O_EXCL | O_WRONLY | O_TRUNC | o_direct_flag,
+           file_mode);
   if (fd < 0) {
     return errno;
+  }
+  if (fchmod(fd, file_mode) != 0) {
+    const int err = errno;
+    close(fd);
+    unlink(tmp_path);
+    return err;
   }
 
   const ssize_t written = write(fd, src, size);
@@ -112,7 +139,9 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
 inline int _load_block(const char* source_path, char* dst, size_t size,
                        bool use_o_direct) {
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
-  const int fd = open(source_path, O_RDONLY | o_direct_flag, 0);
+  // O_NOFOLLOW: a symbolic link at a block's path (planted by whoever could
+  // write into the tree) is never read through (ELOOP, left untouched).
+  const int fd = open(source_path, O_RDONLY | O_NOFOLLOW | o_direct_flag, 0);
   if (fd < 0) {
     return errno;
   }
@@ -156,7 +185,10 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
 inline void _batch_lookup(const std::vector<const char*>& paths,
                           std::vector<int>& exists_flags) {
   for (size_t i = 0; i < paths.size(); i++) {
-    exists_flags[i] = (access(paths[i], F_OK) == 0) ? 1 : 0;
+    // lstat: a symbolic link is a miss (never read through, see _load_block)
+    struct stat st;
+    exists_flags[i] =
+        (lstat(paths[i], &st) == 0 && !S_ISLNK(st.st_mode)) ? 1 : 0;
   }
 }
 
@@ -201,7 +233,8 @@ inline void release_buffer_list(std::vector<Py_buffer>& buffers) {
 /// @brief Check file existence for a batch of paths.
 /// @param paths list[str] – absolute paths to check.
 /// @return list[bool] – True if the corresponding path exists, False otherwise.
-/// @note Releases the GIL for the entire batch. File existence via access(2).
+/// @note Releases the GIL for the entire batch. File existence via lstat(2):
+///       a symbolic link counts as missing.
 static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
   PyObject* path_list;
   if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &path_list)) {
@@ -240,6 +273,9 @@ static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
 /// @param use_o_direct bool – whether to open files with O_DIRECT
 ///                     (default True). Ignored where O_DIRECT is unsupported
 ///                     by the platform.
+/// @param file_mode    int – the mode of the block files (default 0o600).
+/// @param dir_mode     int – the mode of the directories created (default
+///                     0o700). Both set exactly, whatever the umask.
 /// @note Releases the GIL for the entire batch. A failed block does not stop
 ///       the batch; if any failed, raises the first error.
 static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
@@ -247,10 +283,12 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   PyObject* dest_paths_obj = nullptr;
   PyObject* buffers_obj = nullptr;
   int use_o_direct = 1;
+  unsigned int file_mode = 0600;
+  unsigned int dir_mode = 0700;
 
-  if (!PyArg_ParseTuple(args, "O!O!O!|p", &PyList_Type, &tmp_paths_obj,
+  if (!PyArg_ParseTuple(args, "O!O!O!|pII", &PyList_Type, &tmp_paths_obj,
                         &PyList_Type, &dest_paths_obj, &PyList_Type,
-                        &buffers_obj, &use_o_direct)) {
+                        &buffers_obj, &use_o_direct, &file_mode, &dir_mode)) {
     return nullptr;
   }
 
@@ -282,7 +320,9 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
       const char* buf = static_cast<const char*>(buffers[i].buf);
       const int err =
           _store_block(tmp_paths[i], dest_paths[i], buf,
-                       static_cast<size_t>(buffers[i].len), use_o_direct);
+                       static_cast<size_t>(buffers[i].len), use_o_direct,
+                       static_cast<mode_t>(file_mode),
+                       static_cast<mode_t>(dir_mode));
       if (err != 0 && failed_index < 0) {
         failed_index = i;
         failure_errno = err;
@@ -402,7 +442,9 @@ static PyMethodDef fs_io_C_methods[] = {
     {"batch_store_block", batch_store_block, METH_VARARGS,
      "batch_store_block(tmp_paths: list[str], dest_paths: list[str],\n"
      "                  buffers: list[bytes-like],\n"
-     "                  use_o_direct: bool = True) -> None\n"
+     "                  use_o_direct: bool = True,\n"
+     "                  file_mode: int = 0o600,\n"
+     "                  dir_mode: int = 0o700) -> None\n"
      "\n"
      "Store a batch of blocks, each from its own buffer, to disk. A failed "
      "block does not stop the batch; if any failed, raises the first error."},

@@ -689,6 +689,68 @@ def test_cold_restart_promotes_and_loads_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("layout", ["llama", "gemma3"])
+def test_requests_with_another_cache_salt_never_load_disk_blocks(
+    model_config, tmp_path, layout
+):
+    """Tenants of one server share its disk tier; their requests carry a
+    cache_salt, which is part of the first block's hash (and so of every
+    later block's, of the tier's keys and of its file names). A tenant's
+    blocks on disk are found by its own requests after a cold restart,
+    through the real connector scheduler, and never by a request with the
+    same prompt and another salt or none: no hit, no load job reaches the fs
+    tier. The salt separates tenants of one server; the tier's file modes
+    separate other local users."""
+    engine = Engine(model_config, layout, str(tmp_path / "fs"), 64)
+    num_tokens = 4 * max(GPU_BLOCK_SIZES[layout]) + 5
+
+    def request(req_id: str, cache_salt: str | None) -> Request:
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+        )
+
+    assert store_requests(engine, [request("a0", "tenant-a")]) > 0
+
+    sched = engine.connector_scheduler()  # cold: an empty CPU tier
+    (fs_tier,) = tiering_manager(sched).secondary_tiers
+    loaded: list[OffloadKey] = []
+    submit_load = fs_tier.submit_load
+
+    def recorded_load(job):
+        loaded.extend(job.keys)
+        submit_load(job)
+
+    fs_tier.submit_load = recorded_load  # type: ignore[method-assign]
+    try:
+        others = [request("b0", "tenant-b"), request("n0", None)]
+        for other in others:
+            sched.on_new_request(other)
+        settled: set[str] = set()
+        for _ in range(_COLD_SETTLE_STEPS):
+            settle_step(sched, others, settled)
+        assert settled == {"b0", "n0"}
+        assert loaded == [], "another tenant's request loaded disk blocks"
+
+        own = request("a1", "tenant-a")
+        sched.on_new_request(own)
+        for _ in range(_COLD_SETTLE_STEPS):
+            num_hit_tokens, _ = sched.get_num_new_matched_tokens(own, 0)
+            if num_hit_tokens is not None:
+                break
+            end_step(sched)
+        assert num_hit_tokens == expected_hit_tokens(sched, num_tokens) > 0
+        end_step(sched, {own.request_id: allocate(sched, own, num_hit_tokens)})
+        own_keys = {k for g in group_keys(sched, own) for k in g}
+        assert loaded and set(loaded) <= own_keys
+    finally:
+        sched.shutdown()
+
+
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 @pytest.mark.parametrize("layout", ["odd_rows", "deepseek_v4", "qwen3_5"])
 def test_worker_slots_are_the_bytes_secondary_tiers_store(

@@ -11,6 +11,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import regex as re
 
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 # O_DIRECT is Linux-specific and not available on macOS
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+# A symbolic link at a block's path (planted by whoever could write into the
+# tree) is never read through: its target's bytes would be served as the
+# key's KV.
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
@@ -48,34 +53,110 @@ def _get_tmp_suffix() -> str:
         return _thread_local.tmp_suffix
 
 
-def remove_stale_tmp_files(
-    directories: Iterable[str], max_age_s: float, stop: threading.Event
-) -> tuple[int, int]:
-    """Remove this module's temp files under *directories* that were last
-    modified more than *max_age_s* seconds ago: left by writers killed between
-    writing a block and renaming it into place (a live writer renames within
-    milliseconds). Several engines may share a directory, so age is the only
-    evidence a writer is gone. Other files are kept. Returns the number and
-    bytes of the removed files. Stops early when *stop* is set.
+@dataclass(frozen=True)
+class FileModes:
+    """The modes of what the tier creates: KV blocks are users' data, so only
+    the tier's own user (and, with group access, its group) may read them or
+    write into the tree. Set exactly (fchmod/chmod after creating), whatever
+    the process umask."""
+
+    file: int
+    dir: int
+
+
+PRIVATE_MODES = FileModes(file=0o600, dir=0o700)
+# For a root shared between service accounts of one group: the group reads
+# blocks and stores into directories another account created (group write;
+# setgid, so that what is created below keeps the group).
+GROUP_MODES = FileModes(file=0o640, dir=0o2770)
+
+
+def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> None:
+    """Create *path* and its missing parents with modes.dir (os.makedirs gives
+    them 0o777 & ~umask)."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, modes.dir)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue  # created by another thread or engine meanwhile
+        os.chmod(directory, modes.dir)
+
+
+@dataclass
+class TierScan:
+    """What scan_tier_files() found."""
+
+    # stale temp files removed, and their bytes
+    removed: int = 0
+    removed_bytes: int = 0
+    # files and directories with mode bits beyond the tier's modes
+    too_open: int = 0
+    too_open_example: tuple[str, int] | None = None  # (path, mode)
+
+
+def scan_tier_files(
+    directories: Iterable[str],
+    max_tmp_age_s: float | None,
+    modes: FileModes,
+    stop: threading.Event,
+) -> TierScan:
+    """Walk the tier's *directories* once at start-up:
+
+    - remove this module's temp files last modified more than *max_tmp_age_s*
+      seconds ago (None: none): left by writers killed between writing a block
+      and renaming it into place (a live writer renames within milliseconds).
+      Several engines may share a directory, so age is the only evidence a
+      writer is gone. Other files are kept;
+    - count the files and directories with mode bits beyond *modes* (written
+      before the tier created them private, or by hand), so that the tier
+      reports them instead of silently serving from them.
+
+    Stops early when *stop* is set.
     """
-    oldest_kept = time.time() - max_age_s
-    removed = removed_bytes = 0
+    oldest_kept = time.time() - (max_tmp_age_s or 0.0)
+    scan = TierScan()
+
+    def check_mode(path: str, mode: int, allowed: int) -> None:
+        if stat.S_IMODE(mode) & ~allowed:
+            scan.too_open += 1
+            if scan.too_open_example is None:
+                scan.too_open_example = (path, stat.S_IMODE(mode))
+
     for directory in directories:
         for dirpath, _, filenames in os.walk(directory):
             if stop.is_set():
-                return removed, removed_bytes
+                return scan
+            with contextlib.suppress(OSError):
+                check_mode(dirpath, os.lstat(dirpath).st_mode, modes.dir)
             for name in filenames:
-                if _TMP_NAME_RE.search(name) is None:
-                    continue
                 path = os.path.join(dirpath, name)
-                with contextlib.suppress(OSError):
+                try:
                     st = os.lstat(path)
-                    if not stat.S_ISREG(st.st_mode) or st.st_mtime > oldest_kept:
-                        continue
-                    os.remove(path)
-                    removed += 1
-                    removed_bytes += st.st_size
-    return removed, removed_bytes
+                except OSError:
+                    continue
+                if (
+                    max_tmp_age_s is not None
+                    and _TMP_NAME_RE.search(name) is not None
+                    and stat.S_ISREG(st.st_mode)
+                    and st.st_mtime <= oldest_kept
+                ):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                        scan.removed += 1
+                        scan.removed_bytes += st.st_size
+                    continue
+                if not stat.S_ISLNK(st.st_mode):
+                    check_mode(path, st.st_mode, modes.file)
+    return scan
 
 
 # Errors of the O_DIRECT probe that say nothing about O_DIRECT support (a
@@ -101,7 +182,7 @@ def probe_o_direct(directory: str) -> bool:
     path = os.path.join(directory, f".o_direct_probe{_get_tmp_suffix()}")
     page = mmap.mmap(-1, mmap.PAGESIZE)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o600)
         try:
             os.write(fd, page)
         finally:
@@ -117,9 +198,11 @@ def probe_o_direct(directory: str) -> bool:
             os.remove(path)
 
 
-def _ensure_dirs(path: str) -> None:
+def _ensure_dirs(path: str, modes: FileModes) -> None:
     """Create parent directories of *path* if they don't exist."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        make_dirs(parent, modes)
 
 
 def _validate_offsets(view: memoryview, offsets: list[int], block_size: int) -> None:
@@ -152,6 +235,15 @@ def _is_complete_block(path: str, block_size: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == block_size
 
 
+def is_block_path(path: str) -> bool:
+    """Whether something other than a symbolic link is at *path* (lookup: a
+    link is never read through, so it is a miss)."""
+    try:
+        return not stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def holds_no_block(path: str, block_size: int) -> bool:
     """Whether something that is not a complete block (see
     _is_complete_block) is at *path*, e.g. a directory, or a bad file that a
@@ -165,8 +257,10 @@ def _store_block(
     offset: int,
     block_size: int,
     use_o_direct: bool = True,
+    modes: FileModes = PRIVATE_MODES,
 ) -> None:
-    """Store callback: write to a temp file then atomically replace the target."""
+    """Store callback: write to a temp file then atomically replace the target.
+    Files and directories are created with *modes*."""
     # Skip the write if the block is already stored, but only if what is at
     # the path is a complete block: anything else is replaced below.
     if _is_complete_block(dest_path, block_size):
@@ -174,7 +268,7 @@ def _store_block(
 
     tmp_path = dest_path + _get_tmp_suffix()
     # Ensure parent directories exist
-    _ensure_dirs(dest_path)
+    _ensure_dirs(dest_path, modes)
     # A directory in the way cannot be replaced by a file: remove it if empty,
     # fail the store of this block (OSError) if not.
     if os.path.isdir(dest_path) and not os.path.islink(dest_path):
@@ -188,9 +282,10 @@ def _store_block(
         fd = os.open(
             tmp_path,
             os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | o_direct,
-            0o644,
+            modes.file,
         )
         try:
+            os.fchmod(fd, modes.file)  # exact, whatever the umask
             written = os.write(fd, view_slice)
             if written < len(view_slice):
                 raise OSError(
@@ -243,7 +338,7 @@ def _load_block(
     o_direct = O_DIRECT if use_o_direct else 0
 
     try:
-        fd = os.open(source_path, os.O_RDONLY | o_direct)
+        fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | o_direct)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EIO, "Not a regular file", source_path)
@@ -269,12 +364,14 @@ def batch_store_block(
     offsets: list[int],
     block_size: int,
     use_o_direct: bool = True,
+    modes: FileModes = PRIVATE_MODES,
 ) -> None:
     """Store a batch of KV blocks from a shared buffer to disk in one call.
 
     Each block buffer[offsets[i] : offsets[i]+block_size] is written atomically
-    to dest_paths[i] via a temp-file rename. A failed block does not stop the
-    batch; if any failed, the first error is raised once the batch is done.
+    to dest_paths[i] via a temp-file rename, created with *modes*. A failed
+    block does not stop the batch; if any failed, the first error is raised
+    once the batch is done.
     """
     _validate_offsets(view, offsets, block_size)
 
@@ -282,12 +379,14 @@ def batch_store_block(
         view_B = view.cast("B")
         view_slices = [view_B[x : x + block_size] for x in offsets]
         tmp_paths = [p + _get_tmp_suffix() for p in paths]
-        return batch_store_block_C(tmp_paths, paths, view_slices, use_o_direct)
+        return batch_store_block_C(
+            tmp_paths, paths, view_slices, use_o_direct, modes.file, modes.dir
+        )
     else:
         first_exc: OSError | None = None
         for path, offset in zip(paths, offsets):
             try:
-                _store_block(path, view, offset, block_size, use_o_direct)
+                _store_block(path, view, offset, block_size, use_o_direct, modes)
             except OSError as exc:
                 if first_exc is None:
                     first_exc = exc

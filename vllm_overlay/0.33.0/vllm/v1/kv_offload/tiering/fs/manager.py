@@ -12,6 +12,23 @@ Load path:
 
 File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
+
+File modes (the tier config's "group_access", off by default):
+    KV blocks are users' data. Block files, temp files and config.json are
+    created 0600 and the tier's directories 0700, set exactly whatever the
+    process umask (the Python and the C I/O paths alike); with
+    "group_access": true, 0640 and 2770 (setgid, group writable: the group's
+    engines store into each other's directories), for a root shared by
+    service accounts of one group. Files and directories of the tier's tree
+    with wider modes (from before, or made by hand) are counted by the
+    start-up walk and reported once, with an example and the fix.
+
+Trust (see fs/security.py):
+    A root (or a parent) that others can write or that another user owns is
+    refused at start with a ValueError naming the path, its mode and owner,
+    and the fix. Block files are opened with O_NOFOLLOW and looked up with
+    lstat: a symbolic link at a block's path is a miss, never read through;
+    a store replaces it with the block.
 """
 
 import functools
@@ -52,12 +69,17 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
+    GROUP_MODES,
+    PRIVATE_MODES,
     batch_load_block,
     batch_store_block,
     holds_no_block,
+    is_block_path,
+    make_dirs,
     probe_o_direct,
-    remove_stale_tmp_files,
+    scan_tier_files,
 )
+from vllm.v1.kv_offload.tiering.fs.security import check_root_dir
 from vllm.v1.kv_offload.tiering.fs.thread_pool import (
     FAILURE_REPORT_INTERVAL_S,
     DualQueueThreadPool,
@@ -91,7 +113,7 @@ class FsAsyncLookupManager(AsyncLookupManager):
         if _HAS_BATCH_LOOKUP_C:
             # C extension: GIL released for the entire faccessat() batch.
             return batch_lookup_C(paths)
-        return (os.path.exists(p) for p in paths)
+        return (is_block_path(p) for p in paths)
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -129,6 +151,7 @@ class FileSystemTierManager(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
         cleanup_stale_tmp_after_seconds: float | None = 3600.0,
+        group_access: bool = False,
     ):
         """Args:
         offloading_spec: Contains normalized offloading configuration and
@@ -147,6 +170,9 @@ class FileSystemTierManager(SecondaryTierManager):
         cleanup_stale_tmp_after_seconds: At start-up, remove the temp files
             under root_dir not modified for this long (left by writers
             killed between writing a block and renaming it); None: never.
+        group_access: create files 0640 and directories 2770 (the group's
+            engines read blocks and store into each other's directories)
+            instead of 0600 and 0700.
 
         """
         if cleanup_stale_tmp_after_seconds is not None and (
@@ -157,6 +183,13 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"'{tier_type}' tier must be >= 0 or null (no cleanup), got "
                 f"{cleanup_stale_tmp_after_seconds}"
             )
+        if not isinstance(group_access, bool):
+            raise ValueError(
+                f"group_access of the '{tier_type}' tier must be true or false, "
+                f"got {group_access!r}"
+            )
+        self._modes = GROUP_MODES if group_access else PRIVATE_MODES
+        check_root_dir(root_dir, tier_type, group_access)
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
@@ -258,24 +291,25 @@ class FileSystemTierManager(SecondaryTierManager):
 
         self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=self.tier_type)
 
-        # Remove the temp files of writers that died between writing a block
-        # and renaming it into place, in the background (the walk can be long).
+        # Walk the tier's files in the background (the walk can be long):
+        # remove the temp files of writers that died between writing a block
+        # and renaming it into place, and count files with wider modes than
+        # the tier's.
         self._tmp_cleanup_stop = threading.Event()
-        self._tmp_cleanup: threading.Thread | None = None
-        if cleanup_stale_tmp_after_seconds is not None:
-            self._tmp_cleanup = threading.Thread(
-                target=self._remove_stale_tmp_files,
-                args=(
-                    [
-                        f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
-                        os.path.dirname(config_path),
-                    ],
-                    cleanup_stale_tmp_after_seconds,
-                ),
-                name="vllm_kv_py_fs_tmp_cleanup",
-                daemon=True,
-            )
-            self._tmp_cleanup.start()
+        self._tmp_cleanup = threading.Thread(
+            target=self._scan_tier_files,
+            args=(
+                [
+                    f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
+                    os.path.dirname(config_path),
+                ],
+                cleanup_stale_tmp_after_seconds,
+                root_dir,
+            ),
+            name="vllm_kv_py_fs_tmp_cleanup",
+            daemon=True,
+        )
+        self._tmp_cleanup.start()
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of the directory's block files)
@@ -283,9 +317,16 @@ class FileSystemTierManager(SecondaryTierManager):
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
             return False
-        os.makedirs(os.path.dirname(config_path), exist_ok=True)
-        with open(config_path, "w") as f:
-            json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
+        make_dirs(os.path.dirname(config_path), self._modes)
+        config = json.dumps(self.file_mapper.get_run_config(), indent=2, sort_keys=True)
+        fd = os.open(
+            config_path,
+            os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+            self._modes.file,
+        )
+        with open(fd, "w") as f:
+            os.fchmod(fd, self._modes.file)  # exact, whatever the umask
+            f.write(config)
         return True
 
     def _store_and_keep_config(self, store: Callable[[], None]) -> None:
@@ -354,19 +395,40 @@ class FileSystemTierManager(SecondaryTierManager):
                     self.tier_type,
                 )
 
-    def _remove_stale_tmp_files(self, directories: list[str], max_age_s: float) -> None:
-        removed, removed_bytes = remove_stale_tmp_files(
-            directories, max_age_s, self._tmp_cleanup_stop
+    def _scan_tier_files(
+        self, directories: list[str], max_age_s: float | None, root_dir: str
+    ) -> None:
+        scan = scan_tier_files(
+            directories, max_age_s, self._modes, self._tmp_cleanup_stop
         )
-        if removed:
+        if scan.removed:
             logger.info(
                 "Removed %d stale temp files (%d bytes, older than %.0f s) under "
                 "%s for the '%s' KV offload tier.",
-                removed,
-                removed_bytes,
+                scan.removed,
+                scan.removed_bytes,
                 max_age_s,
                 directories,
                 self.tier_type,
+            )
+        if scan.too_open_example is not None:
+            path, mode = scan.too_open_example
+            group = self._modes is GROUP_MODES
+            logger.warning(
+                "%d file(s) and directories of the '%s' KV offload tier at %s "
+                "have wider modes than %o (files) / %o (directories), e.g. %s "
+                "(mode %o): users other than the tier's %s read or change "
+                "cached KV blocks there. Restrict them, e.g. chmod -R %s %s",
+                scan.too_open,
+                self.tier_type,
+                root_dir,
+                self._modes.file,
+                self._modes.dir,
+                path,
+                mode,
+                "and its group may" if group else "may",
+                "o-rwx" if group else "go-rwx",
+                root_dir,
             )
 
     @override
@@ -398,6 +460,7 @@ class FileSystemTierManager(SecondaryTierManager):
             [int(cid) * self._block_size for cid in job_metadata.chunk_ids],
             self._block_size,
             self._use_o_direct,
+            self._modes,
         )
         self._job_block_counts[job_metadata.job_id] = len(keys)
         store = functools.partial(self._store_and_keep_config, task)
@@ -543,7 +606,6 @@ class FileSystemTierManager(SecondaryTierManager):
         clearing pending tasks and waiting for active threads to complete.
         """
         self._tmp_cleanup_stop.set()
-        if self._tmp_cleanup is not None:
-            self._tmp_cleanup.join()
+        self._tmp_cleanup.join()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Start-up checks of what the fs tier trusts: its root directory.
+
+The tier's files are users' KV blocks, served to every request that shares
+their prefix. Whoever can write into the root (or rename one of its
+parents) can replace the tree with their own and have their bytes served
+as a prefix's KV, or read what others' requests cached. So, as OpenSSH's
+StrictModes and PostgreSQL's data-directory check do, the root and each of
+its parents must be
+
+- owned by the engine's user or by root (uid 0), and
+- writable by nobody else: not by others, and not by the group unless the
+  tier shares its root with a group (group_access); a directory with the
+  sticky bit (/tmp) is fine, as only a file's owner may then rename or
+  remove it.
+
+A root that fails is refused with a ValueError that names the path, its
+mode and owner, and the fix, before the tier creates or starts anything.
+A root that does not exist yet is checked from its nearest existing parent
+(the tier creates the rest private). Symbolic links in the root's path are
+resolved first: the directories checked are the ones the tier will use.
+"""
+
+import os
+import pwd
+import stat
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)
+
+
+def _unsafe_reason(st: os.stat_result, uid: int, group_access: bool) -> str | None:
+    """Why a directory with stat *st* cannot be trusted, or None."""
+    if st.st_uid not in (uid, 0):
+        return "is owned by another user"
+    if st.st_mode & stat.S_ISVTX:
+        return None  # only a file's owner may rename or remove it
+    if st.st_mode & stat.S_IWOTH:
+        return "is writable by all users"
+    if st.st_mode & stat.S_IWGRP and not group_access:
+        return "is writable by its group"
+    return None
+
+
+def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> None:
+    """Raise ValueError unless *root_dir* and its parents are safe (see the
+    module docstring) for the tier *tier_type*."""
+    uid = os.geteuid()
+    root = path = os.path.realpath(root_dir)
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None  # created by the tier, private
+        if st is not None:
+            reason = _unsafe_reason(st, uid, group_access)
+            if reason is not None:
+                what = "root_dir" if path == root else "a parent"
+                mode = stat.S_IMODE(st.st_mode)
+                if reason == "is owned by another user":
+                    fix = (
+                        f"run the engine as that user, or use a root_dir owned by "
+                        f"uid {uid} (chown {uid} {path})"
+                    )
+                else:
+                    if "group" in reason:
+                        bits = "g-w"
+                    else:
+                        bits = "o-w" if group_access else "go-w"
+                    fix = (
+                        f"chmod {bits} {path}, or use a root_dir whose directories "
+                        "only the engine's user (and with group_access its group) "
+                        "can write"
+                    )
+                    if "group" in reason:
+                        fix += "; or set the tier's 'group_access': true"
+                raise ValueError(
+                    f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
+                    f"{what}, {path} (mode {mode:04o}, owner uid "
+                    f"{_owner_name(st.st_uid)}), {reason}, who could read, replace "
+                    f"or plant the cached KV blocks. Fix: {fix}"
+                )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
