@@ -555,6 +555,48 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
     return out, points
 
 
+def budget_section(d: dict | None, goals: Goals) -> list[str]:
+    """The fs tier's max_bytes budget (issue 19 goal 6): with vs without, side by side."""
+    name_s = "issue 19 (max_bytes), scheduler per-key cost with a budget / without <= 1.10"
+    name_t = "issue 19 (max_bytes), store throughput at a full budget / unbounded >= 0.9"
+    out = ["## 3b. The fs tier's max_bytes budget (issue 19), patched side", ""]
+    if d is None or "skipped" in d:
+        why = "budget_bench.py did not run" if d is None else d["skipped"]
+        out.append(f"Not measured: {why}.")
+        goals.add(name_s, None, why)
+        goals.add(name_t, None, why)
+        return out
+    s, t = d["sched"], d["store"]
+    rs = tratio(s["max_bytes"], s["unbounded"])
+    rc = tratio(s.get("max_bytes_cpu"), s.get("unbounded_cpu"))
+    rt = (max(t["max_bytes"]) / max(t["unbounded"]), med(t["max_bytes"]) / med(t["unbounded"]))
+    out += [
+        "Both tiers in one process (vLLM files "
+        f"{d['fingerprint']['digest']}, newest {d['fingerprint']['newest']}), rounds "
+        "interleaved. Scheduler: "
+        "requests of 256 new blocks through the real connector scheduler, CPU tier and fs_python "
+        f"tier, over max_bytes = {fmt_bytes(s['budget_bytes'])} (a quarter of the workload; "
+        f"{s['evicted_files']} files evicted, {fmt_bytes(s['used_bytes'])} used at the end) vs "
+        "no budget; timed: every connector call and the take_events() that collects the tier's "
+        "jobs once its I/O (untimed) is done; goal judged on wall time, the scheduler "
+        "thread's CPU time shown beside it. Store: jobs of 8 rows of 64 KiB, 8 write "
+        "threads, at a full budget "
+        f"({t['evicted_files']} files evicted; full: {t['full']}) vs unbounded.",
+        "",
+        "| | unbounded | max_bytes | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| scheduler, us per key (wall) | {cell(s['unbounded'])} | {cell(s['max_bytes'])} "
+        f"| {rcell(rs)} |",
+        f"| scheduler thread, CPU us per key | {cell(s.get('unbounded_cpu', []))} | "
+        f"{cell(s.get('max_bytes_cpu', []))} | {ratio_txt(rc)} |",
+        f"| store, keys/s | {med(t['unbounded']):.0f} ({max(t['unbounded']):.0f}) | "
+        f"{med(t['max_bytes']):.0f} ({max(t['max_bytes']):.0f}) | {rcell(rt)} |",
+    ]
+    judge(goals, name_s, [(rs, "wall, with / without")], 1.10, "{}")
+    judge(goals, name_t, [(rt, "full / unbounded")], 0.9, "{}", low=True)
+    return out
+
+
 def runtime(total_s: float | None, sched: dict | None, disk: dict | None) -> str:
     """make bench's wall time, or (report.py run on its own) the sections' measured."""
     if total_s is not None:
@@ -573,6 +615,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sched", default=str(TMP / "sched.json"))
     ap.add_argument("--disk", default=str(TMP / "disk.json"))
+    ap.add_argument("--budget", default=str(TMP / "budget.json"))
     ap.add_argument("--e2e", default="skipped")
     ap.add_argument(
         "--total-s",
@@ -630,6 +673,8 @@ def main() -> int:
     else:
         for n in range(2, 7):
             goals.add(f"goal {n}", None, "the disk sections did not run")
+    budget = json.loads(Path(args.budget).read_text()) if Path(args.budget).exists() else None
+    lines += budget_section(budget, goals) + [""]
     lines += ["## 4. End to end on the CPU engine", "", args.e2e, ""]
     png = base.with_suffix(".png")
     note = plot_rows(points, png) if points else "no plot: no disk figures"
