@@ -554,7 +554,7 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
             )
         # the last request's chunks are kept, linked head to tail
         assert all(tier.lookup(key(49000 + i), _CTX) for i in range(4))
-        assert budget._chunks[key(49003)[:-4]].parent == key(49002)[:-4]
+        assert budget._parent[key(49003)[:-4]] == key(49002)[:-4]
     finally:
         tier.shutdown()
     journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)

@@ -42,7 +42,12 @@ Invariants:
       tiering manager submits at the end of that step), is pinned: never
       evicted under the transfer.
     - Every scheduler-thread call is O(1) per key; start-up indexing, the
-      journal and removals run on other threads.
+      journal and removals (and their paths) run on other threads; a hit
+      costs the scheduler thread one append (pinned by the next eviction).
+    - The index is flat: a chunk is one int in a dict (flags, pins, kept
+      children, group bitmask) and, when linked, one entry in a dict of
+      parents; no Python object per chunk for the garbage collector, so a
+      million indexed chunks add no collection pauses.
 
 Restart:
     The parent of each stored chunk is appended to a small per-rank journal
@@ -50,9 +55,10 @@ Restart:
     twice as many records as the index has chunks). At start a background
     thread lists the rank directory, links the chunks with the journal's
     parents, orders the leaves by file time, inserts them (older than
-    anything stored since start) in batches and trims to the budget after
-    each; the engine serves meanwhile (files not indexed yet are not counted
-    until their batch). Files written without a budget have no journal:
+    anything stored since start) in batches of a few ms under the lock,
+    pausing between them, and trims to the budget after each; the engine
+    serves meanwhile (files not indexed yet are not counted until their
+    batch). Files written without a budget have no journal:
     their order is file time only, so the first trim may cut a prefix.
 
 Shared roots:
@@ -87,16 +93,33 @@ MAX_ORDER_SLACK = 32
 # are waiting (a wake-up costs the scheduler thread a GIL hand-off).
 JOURNAL_INTERVAL_S = 1.0
 JOURNAL_BATCH = 16384
-# Recovered chunks inserted per lock hold by the start-up scan.
-SCAN_BATCH = 4096
+# Recovered chunks inserted per lock hold by the start-up scan (a few ms),
+# and the pause after each: a lock released and taken again at once starves
+# the scheduler thread waiting for it.
+SCAN_BATCH = 1024
+SCAN_PAUSE_S = 0.001
 # The budget's report (used bytes, evictions, rejections): at most one line
 # per interval, and only when something changed.
 REPORT_INTERVAL_S = 30.0
 
 
+# A chunk's state in the index is one int, so that the index holds no Python
+# object per chunk for the garbage collector to track (a million chunks are
+# one dict of bytes -> int): flags, pins, kept children, and from bit GROUPS
+# the bitmask of the KV cache groups it has files of.
+RECOVERED = 1  # found by the start-up scan
+PIN = 1 << 1  # a transfer (or a lookup() hit) needs its files
+PINS = ((1 << 24) - 1) << 1
+CHILD = 1 << 25  # an indexed chunk whose parent it is
+CHILDREN = ((1 << 31) - 1) << 25
+GROUPS = 56
+
+# Evicted chunks: (chunk id, group bitmask of their files), for the I/O
+# threads to turn into paths and remove.
+Evicted = list[tuple[bytes, int]]
 # What finish_job() needs of a job: the chunks it pinned, and for a store the
-# keys whose files it adds (None for a load).
-JobTicket = tuple[list[bytes], set[OffloadKey] | None]
+# group bitmask of the files it adds, per chunk (None for a load).
+JobTicket = tuple[list[bytes], dict[bytes, int] | None]
 
 
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
@@ -119,18 +142,13 @@ def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int
     return max_bytes
 
 
-class _Chunk:
-    """One block hash on disk: its files (one per KV cache group)."""
+def _group_indices(groups: int) -> list[int]:
+    """The group indices of a group bitmask."""
+    return [g for g in range(groups.bit_length()) if groups >> g & 1]
 
-    __slots__ = ("groups", "nbytes", "parent", "children", "pins", "recovered")
 
-    def __init__(self, parent: bytes | None, recovered: bool = False) -> None:
-        self.groups: set[bytes] = set()  # 4-byte group suffixes of its keys
-        self.nbytes = 0  # bytes of its files
-        self.parent = parent  # the chunk before it in its prompt, if indexed
-        self.children = 0  # indexed chunks whose parent it is
-        self.pins = 0  # transfers (and lookups) that need its files
-        self.recovered = recovered  # found by the start-up scan
+def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
+    return lambda h: positions.get(h, -1)
 
 
 class FsTierBudget:
@@ -171,17 +189,27 @@ class FsTierBudget:
             else frozenset(g.to_bytes(4, "big") for g in prefix_groups)
         )
         self._lock = threading.Lock()
-        self._chunks: dict[bytes, _Chunk] = {}
-        # evictable chunks (no kept child, not pinned): least recent first
+        # chunk id -> state (RECOVERED, PINS, CHILDREN, GROUPS above)
+        self._chunks: dict[bytes, int] = {}
+        # chunk id -> the indexed chunk before it in its prompt
+        self._parent: dict[bytes, bytes] = {}
+        # evictable chunks, least recent first: files on disk, no kept
+        # child. Pinning only counts (a pinned chunk may stay listed:
+        # eviction drops it from the list, and its last unpin lists it again).
         self._leaves: OrderedDict[bytes, None] = OrderedDict()
-        # chunks pinned by lookup() until the next get_finished()
+        # a key's 4-byte group suffix -> its bit in a group bitmask
+        self._group_bits: dict[bytes, int] = {}
+        # keys lookup() found since the last get_finished(): pinned by the
+        # next eviction before it evicts (one append per hit on the
+        # scheduler thread), and the chunks they pinned
+        self._hits: deque[OffloadKey] = deque()
         self._step_pins: list[bytes] = []
         # req_id -> {group suffix: the request's keys of it, in prompt order}
         self._orders: OrderedDict[str, dict[bytes, list]] = OrderedDict()
         self._order_keys = 0  # their keys, when last touched
-        # the start-up scan's chunks: hash -> [groups, nbytes, mtime,
-        # children, inserted]; None once the scan is done
-        self._recovering: dict[bytes, list] | None = None
+        # the start-up scan's chunks not inserted yet (chunk id -> state);
+        # None once the scan is done
+        self._recovering: dict[bytes, int] | None = None
         # counters: since start, and since the last report
         self.evicted_files = 0
         self.rejected_files = 0
@@ -229,140 +257,180 @@ class FsTierBudget:
                 self._leaves.move_to_end(h)
 
     def on_hit(self, key: OffloadKey) -> None:
-        """lookup() found the key's file: pin it until the next
-        get_finished(), by which time its promotion (if any) is pinned."""
-        h = self._cid(key[:-4])
-        with self._lock:
-            chunk = self._chunks.get(h)
-            if chunk is None:
-                return
-            self._pin(h, chunk)
-            self._step_pins.append(h)
+        """lookup() found the key's file: pinned before anything is evicted
+        until the next get_finished(), by which time its promotion (if any)
+        is pinned."""
+        self._hits.append(key)
 
     def admit_store(
         self, keys: Collection[OffloadKey], req_id: str
-    ) -> tuple[set[OffloadKey], set[OffloadKey], list[str], "JobTicket"]:
+    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted, JobTicket]:
         """Reserve room for a store job's new files, evicting first.
 
         Returns the keys that do not fit (not to be written: the chunks
         nearest the prompt's start are admitted first), the keys not worth
         writing (the chunk before them in their prompt is not on disk, so
-        they could never hit from it), the paths of the evicted files (to
-        be removed before the job's writes), and the job's ticket for
-        finish_job(): its pinned chunks and new files."""
+        they could never hit from it), the evicted chunks (their files to be
+        removed before the job's writes, see remove_evicted()), and the
+        job's ticket for finish_job(): its pinned chunks and new files."""
+        gbits = self._group_bits
+        # the job's chunks: chunk id -> group bitmask of its keys
+        job: dict[bytes, int] = {}
+        ids: dict[bytes, bytes] | None = None  # block hash -> chunk id
+        if self._chunk_id is None:
+            for k in keys:
+                g = k[-4:]
+                bit = gbits.get(g) or self._group_bit(g)
+                h = k[:-4]
+                job[h] = job.get(h, 0) | bit
+        else:
+            ids = {}
+            for k in keys:
+                g = k[-4:]
+                bit = gbits.get(g) or self._group_bit(g)
+                raw = k[:-4]
+                h = ids.get(raw)
+                if h is None:
+                    h = ids[raw] = self._chunk_id(raw)
+                job[h] = job.get(h, 0) | bit
         with self._lock:
             chunks = self._chunks
-            # the job's chunks (and their parents), pinned once each
-            pinned: dict[bytes, _Chunk] = {}
-            new: list[OffloadKey] = []
-            cid = self._cid
-            for k in keys:
-                h = cid(k[:-4])
-                chunk = chunks.get(h)
-                if chunk is None:
-                    new.append(k)
+            pinned: list[bytes] = []
+            # chunk id -> group bitmask of the job's new files
+            new: dict[bytes, int] = {}
+            for h, bits in job.items():
+                state = chunks.get(h)
+                if state is None:
+                    new[h] = bits
                     continue
-                if k[-4:] not in chunk.groups:
-                    new.append(k)
-                if h not in pinned:
-                    pinned[h] = chunk
-                    self._pin(h, chunk)
-            parents, positions, orphans = self._find_parents(new, req_id)
-            unreachable: set[OffloadKey] = set()
-            for k, prev in orphans:
+                chunks[h] = state + PIN
+                pinned.append(h)
+                missing = bits & ~(state >> GROUPS)
+                if missing:
+                    new[h] = missing
+            parents, positions, orphans = self._find_parents(new, ids, req_id)
+            unreachable: dict[bytes, int] = {}
+            for h, bit, prev in orphans:
                 # not indexed here: on disk only if another engine stored it
                 if not os.path.exists(self._key_path(prev)):
-                    unreachable.add(k)
+                    unreachable[h] = unreachable.get(h, 0) | bit
             if unreachable:
-                # and so are the keys after them in the job
-                new.sort(key=lambda k: positions.get(k, -1))
-                gone = {cid(k[:-4]) for k in unreachable}
-                for k in new:
-                    parent = parents.get(cid(k[:-4]))
+                # and so are the chunks after them in the job
+                gone = set(unreachable)
+                for h in sorted(new, key=_by_position(positions)):
+                    parent = parents.get(h)
                     if parent in gone and parent not in chunks:
-                        unreachable.add(k)
-                        gone.add(cid(k[:-4]))
-                new = [k for k in new if k not in unreachable]
-                self.unreachable_files += len(unreachable)
-            for parent in parents.values():
-                if parent not in pinned:
-                    pchunk = chunks.get(parent)
-                    if pchunk is not None:
-                        pinned[parent] = pchunk
-                        self._pin(parent, pchunk)
-            evicted = self._evict(len(new) * self.file_size)
-            fits = max(0, (self.max_bytes - self.used) // self.file_size)
-            rejected: set[OffloadKey] = set()
-            if len(new) > fits:
-                # keep the chunks nearest the start of their prompt
-                new.sort(key=lambda k: positions.get(k, -1))
-                rejected.update(new[fits:])
-                del new[fits:]
-                self.rejected_files += len(rejected)
-            file_size = self.file_size
-            created: list[bytes] = []
-            for k in new:
-                h = cid(k[:-4])
-                chunk = chunks.get(h)
-                if chunk is None:
-                    chunk = chunks[h] = _Chunk(None)
-                    created.append(h)
-                if h not in pinned:
-                    pinned[h] = chunk
-                    self._pin(h, chunk)
-                chunk.groups.add(k[-4:])
-                chunk.nbytes += file_size
-            self.used += file_size * len(new)
-            # link the new chunks to their parents (indexed, or new here)
-            for h in created:
+                        unreachable[h] = new[h]
+                        gone.add(h)
+                for h, bits in unreachable.items():
+                    rest = new[h] & ~bits
+                    if rest:
+                        new[h] = rest
+                    else:
+                        del new[h]
+                self.unreachable_files += sum(
+                    b.bit_count() for b in unreachable.values()
+                )
+            # indexed parents stay while their new children are written
+            for h in new:
                 parent = parents.get(h)
-                if parent is not None:
-                    pchunk = chunks.get(parent)
-                    if pchunk is not None:
-                        chunks[h].parent = parent
-                        pchunk.children += 1
-                        self._leaves.pop(parent, None)
-                        self._journal_q.append((h, parent))
-            return rejected, unreachable, evicted, (list(pinned), set(new))
+                if parent is not None and parent not in new:
+                    state = chunks.get(parent)
+                    if state is not None:
+                        chunks[parent] = state + PIN
+                        pinned.append(parent)
+            file_size = self.file_size
+            nfiles = sum(b.bit_count() for b in new.values())
+            evicted = self._evict(nfiles * file_size)
+            room = max(0, (self.max_bytes - self.used) // file_size)
+            rejected: dict[bytes, int] = {}
+            if nfiles > room:
+                # keep the chunks nearest the start of their prompt
+                for h in sorted(new, key=_by_position(positions)):
+                    n = new[h].bit_count()
+                    if n <= room:
+                        room -= n
+                    else:
+                        room = -1
+                        rejected[h] = new.pop(h)
+                        nfiles -= n
+                self.rejected_files += sum(b.bit_count() for b in rejected.values())
+            created: list[bytes] = []
+            for h, bits in new.items():
+                state = chunks.get(h)
+                if state is None:
+                    state = PIN
+                    pinned.append(h)
+                    created.append(h)
+                chunks[h] = state | bits << GROUPS
+            self.used += nfiles * file_size
+            # link the new chunks to their parents (indexed, or new here)
+            if parents:
+                parent_of = self._parent
+                leaves = self._leaves
+                journal = self._journal_q
+                for h in created:
+                    parent = parents.get(h)
+                    if parent is not None:
+                        state = chunks.get(parent)
+                        if state is not None:
+                            parent_of[h] = parent
+                            chunks[parent] = state + CHILD
+                            if not state & CHILDREN:
+                                leaves.pop(parent, None)
+                            journal.append((h, parent))
+        rejected_keys: set[OffloadKey] = set()
+        unreachable_keys: set[OffloadKey] = set()
+        if rejected or unreachable:
+            for k in keys:
+                h = k[:-4] if ids is None else ids[k[:-4]]
+                bit = gbits[k[-4:]]
+                if rejected.get(h, 0) & bit:
+                    rejected_keys.add(k)
+                elif unreachable.get(h, 0) & bit:
+                    unreachable_keys.add(k)
+        return rejected_keys, unreachable_keys, evicted, (pinned, new)
 
-    def pin_load(self, keys: Collection[OffloadKey]) -> "JobTicket":
+    def pin_load(self, keys: Collection[OffloadKey]) -> JobTicket:
         """A load job's chunks, pinned until finish_job()."""
         pinned: list[bytes] = []
+        hashes = {self._cid(k[:-4]) for k in keys}
         with self._lock:
-            for h in {self._cid(k[:-4]) for k in keys}:
-                chunk = self._chunks.get(h)
-                if chunk is not None:
-                    self._pin(h, chunk)
+            chunks = self._chunks
+            for h in hashes:
+                state = chunks.get(h)
+                if state is not None:
+                    chunks[h] = state + PIN
                     pinned.append(h)
         return pinned, None
 
-    def finish_job(self, ticket: "JobTicket", failed: Iterable[OffloadKey]) -> None:
+    def finish_job(self, ticket: JobTicket, failed: Iterable[OffloadKey]) -> None:
         """A store or load job finished: forget the files of its failed keys
         (a failed store did not write its new files, a failed load removed
         its file) and unpin its chunks."""
         pinned, new = ticket
         with self._lock:
+            chunks = self._chunks
             for k in failed:
-                if new is not None and k not in new:
+                h = self._cid(k[:-4])
+                bit = self._group_bit(k[-4:])
+                if new is not None and not new.get(h, 0) & bit:
                     continue  # the file it failed to store over is still there
-                chunk = self._chunks.get(self._cid(k[:-4]))
-                if chunk is not None and k[-4:] in chunk.groups:
-                    chunk.groups.discard(k[-4:])
-                    chunk.nbytes -= self.file_size
+                state = chunks.get(h)
+                if state is not None and state >> GROUPS & bit:
+                    chunks[h] = state - (bit << GROUPS)
                     self.used -= self.file_size
             for h in pinned:
-                chunk = self._chunks.get(h)
-                if chunk is not None:
-                    self._unpin(h, chunk)
+                self._unpin(h)
 
     def end_step(self) -> None:
         """get_finished(): release lookup()'s pins; wake the journal."""
-        if self._step_pins:
+        if self._step_pins or self._hits:
             with self._lock:
+                # not pinned yet: nothing was evicted since their lookup
+                self._hits.clear()
                 for h in self._step_pins:
-                    chunk = self._chunks.get(h)
-                    if chunk is not None:
-                        self._unpin(h, chunk)
+                    self._unpin(h)
                 self._step_pins.clear()
         if len(self._journal_q) > JOURNAL_BATCH:
             with self._wake:
@@ -377,6 +445,12 @@ class FsTierBudget:
         self._thread.join()
         self._report(force=True)
 
+    # ---- I/O threads --------------------------------------------------------
+
+    def remove_evicted(self, evicted: Evicted) -> None:
+        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
+        self._remove_files(self._paths(evicted))
+
     # ---- internals (under self._lock) --------------------------------------
 
     def _cid(self, block_hash: bytes) -> bytes:
@@ -384,105 +458,135 @@ class FsTierBudget:
         chunk_id = self._chunk_id
         return block_hash if chunk_id is None else chunk_id(block_hash)
 
+    def _group_bit(self, suffix: bytes) -> int:
+        bit = self._group_bits.get(suffix)
+        if bit is None:
+            bit = self._group_bits[suffix] = 1 << int.from_bytes(suffix, "big")
+        return bit
+
     def _find_parents(
-        self, keys: list[OffloadKey], req_id: str
+        self, new: dict[bytes, int], ids: dict[bytes, bytes] | None, req_id: str
     ) -> tuple[
-        dict[bytes, bytes], dict[OffloadKey, int], list[tuple[OffloadKey, OffloadKey]]
+        dict[bytes, bytes], dict[bytes, int], list[tuple[bytes, int, OffloadKey]]
     ]:
-        """Parents (indexed chunks, or chunks of this job) and prompt
-        positions of new keys, from the request's touched lists, and the
-        keys whose predecessor is neither (with it). A store's keys are the
-        newest of its request, so each list is scanned back from its end, at
-        most a bounded distance past the job's keys: O(1) per key; a key not
-        found there has no parent (a root)."""
+        """Parents (indexed chunks, or new chunks of this job) and prompt
+        positions of the new chunks, from the request's touched lists, and
+        the new files whose predecessor is neither (chunk, group bit, the
+        predecessor's key). A store's keys are the newest of its request, so
+        each list is scanned back from its end, at most a bounded distance
+        past the job's keys of its group: O(1) per key; a chunk not found
+        there has no parent (a root)."""
         parents: dict[bytes, bytes] = {}
-        positions: dict[OffloadKey, int] = {}
-        orphans: list[tuple[OffloadKey, OffloadKey]] = []
+        positions: dict[bytes, int] = {}
+        orphans: list[tuple[bytes, int, OffloadKey]] = []
         orders = self._orders.get(req_id)
-        if orders is None or not keys:
+        if orders is None or not new:
             return parents, positions, orphans
-        by_group: dict[bytes, set[OffloadKey]] = {}
-        for k in keys:
-            by_group.setdefault(k[-4:], set()).add(k)
         chunks = self._chunks
-        cid = self._cid
-        new_chunks = {cid(k[:-4]) for k in keys}
         prefix_groups = self._prefix_groups
         # the finest group first: its predecessor is the closest (groups of
         # larger blocks skip the chunks between theirs)
-        for g, wanted in sorted(
-            by_group.items(), key=lambda item: -len(orders.get(item[0], ()))
-        ):
-            order = orders.get(g)
-            if order is None:
+        for g, order in sorted(orders.items(), key=lambda item: -len(item[1])):
+            bit = self._group_bits.get(g)
+            if bit is None:
                 continue
+            wanted = sum(1 for bits in new.values() if bits & bit)
             # sliding-window and mamba groups skip chunks: no orphans there
             needs_prefix = prefix_groups is None or g in prefix_groups
             i = len(order) - 1
-            stop = max(0, i - len(wanted) - MAX_ORDER_SLACK)
+            stop = max(0, i - wanted - MAX_ORDER_SLACK)
             while wanted and i >= stop:
-                k = order[i]
-                if k in wanted:
-                    wanted.discard(k)
-                    positions[k] = i
+                h = order[i][:-4]
+                if ids is not None:
+                    h = ids.get(h)
+                if h is not None and new.get(h, 0) & bit:
+                    wanted -= 1
+                    positions.setdefault(h, i)
                     if i:
-                        prev = cid(order[i - 1][:-4])
-                        if prev in chunks or prev in new_chunks:
-                            parents.setdefault(cid(k[:-4]), prev)
+                        prev = order[i - 1][:-4]
+                        if ids is not None:
+                            prev = ids.get(prev) or self._cid(prev)
+                        if prev in chunks or prev in new:
+                            parents.setdefault(h, prev)
                         elif needs_prefix:
-                            orphans.append((k, order[i - 1]))
+                            orphans.append((h, bit, order[i - 1]))
                 i -= 1
         return parents, positions, orphans
 
-    def _pin(self, h: bytes, chunk: _Chunk) -> None:
-        if chunk.pins == 0:
-            self._leaves.pop(h, None)
-        chunk.pins += 1
-
-    def _unpin(self, h: bytes, chunk: _Chunk) -> None:
-        chunk.pins -= 1
-        if chunk.pins == 0 and chunk.children == 0:
-            if chunk.groups:
+    def _unpin(self, h: bytes) -> None:
+        state = self._chunks.get(h)
+        if state is None:
+            return
+        state -= PIN
+        self._chunks[h] = state
+        if not state & (PINS | CHILDREN):
+            if state >> GROUPS:  # evictable, and just used
                 self._leaves[h] = None
+                self._leaves.move_to_end(h)
             else:  # its files failed: nothing left to keep
-                self._remove_chunk(h, chunk)
+                self._remove_chunk(h, state)
 
-    def _remove_chunk(self, h: bytes, chunk: _Chunk) -> None:
-        del self._chunks[h]
+    def _pin_hits(self) -> None:
+        """Pin the chunks of lookup()'s hits since the last pinning."""
+        hits = self._hits
+        chunks = self._chunks
+        while hits:
+            h = self._cid(hits.popleft()[:-4])
+            state = chunks.get(h)
+            if state is not None:
+                chunks[h] = state + PIN
+                self._step_pins.append(h)
+
+    def _remove_chunk(self, h: bytes, state: int) -> None:
+        chunks = self._chunks
+        del chunks[h]
         self._leaves.pop(h, None)
-        self.used -= chunk.nbytes
-        parent = chunk.parent
+        self.used -= (state >> GROUPS).bit_count() * self.file_size
+        parent = self._parent.pop(h, None)
         if parent is None:
             return
         recovering = self._recovering
-        if chunk.recovered and recovering is not None:
-            pending = recovering.get(parent)
-            if pending is not None and not pending[4]:
-                pending[3] -= 1  # the parent is not inserted yet
-                return
-        pchunk = self._chunks.get(parent)
-        if pchunk is not None:
-            pchunk.children -= 1
-            if pchunk.children == 0 and pchunk.pins == 0:
-                # the prefix's head follows its tail
-                self._leaves[parent] = None
-                self._leaves.move_to_end(parent, last=False)
+        if state & RECOVERED and recovering is not None and parent in recovering:
+            recovering[parent] -= CHILD  # the parent is not inserted yet
+            return
+        self._drop_child(parent)
 
-    def _evict(self, need: int) -> list[str]:
+    def _drop_child(self, parent: bytes) -> None:
+        state = self._chunks.get(parent)
+        if state is None:
+            return
+        state -= CHILD
+        self._chunks[parent] = state
+        if not state & (CHILDREN | PINS):
+            # the prefix's head follows its tail
+            self._leaves[parent] = None
+            self._leaves.move_to_end(parent, last=False)
+
+    def _evict(self, need: int) -> Evicted:
         """Evict leaves, least recent first, until need more bytes fit.
-        Returns the paths of their files, to be removed."""
-        evicted: list[str] = []
+        Returns the evicted chunks."""
+        self._pin_hits()
+        evicted: Evicted = []
         leaves = self._leaves
-        chunk_path = self._chunk_path
+        chunks = self._chunks
+        files = 0
         while self.used + need > self.max_bytes and leaves:
-            h = next(iter(leaves))
-            chunk = self._chunks[h]
-            evicted.extend(
-                chunk_path(h, int.from_bytes(g, "big")) for g in chunk.groups
-            )
-            self._remove_chunk(h, chunk)
-        self.evicted_files += len(evicted)
+            h, _ = leaves.popitem(last=False)
+            state = chunks.get(h)
+            if state is None or state & (PINS | CHILDREN):
+                continue  # pinned: listed again when unpinned
+            groups = state >> GROUPS
+            evicted.append((h, groups))
+            files += groups.bit_count()
+            self._remove_chunk(h, state)
+        self.evicted_files += files
         return evicted
+
+    def _paths(self, evicted: Evicted) -> list[str]:
+        chunk_path = self._chunk_path
+        return [
+            chunk_path(h, g) for h, groups in evicted for g in _group_indices(groups)
+        ]
 
     # ---- reports ------------------------------------------------------------
 
@@ -555,12 +659,16 @@ class FsTierBudget:
         self._journal_records = len(kept)
 
     def _scan(self) -> None:
-        """Index the rank directory's block files and trim to the budget."""
+        """Index the rank directory's block files and trim to the budget.
+
+        Flat: one state int and one mtime per chunk in two dicts (nothing
+        the garbage collector tracks per file), the order sorted by numpy,
+        and inserted SCAN_BATCH chunks per lock hold."""
         start = time.monotonic()
         parents = _read_journal(self._journal_path)
         self._journal_records = len(parents)
-        # hash -> [groups, nbytes, newest mtime, children, inserted]
-        found: dict[bytes, list] = {}
+        found: dict[bytes, int] = {}  # chunk id -> state
+        mtimes: dict[bytes, float] = {}  # chunk id -> its newest file's mtime
         for d1 in _scandir(self._rank_dir):
             if not d1.is_dir(follow_symlinks=False):
                 continue
@@ -570,8 +678,8 @@ class FsTierBudget:
                 if sep < 0 or not d2.is_dir(follow_symlinks=False):
                     continue
                 try:
-                    g = int(name[sep + 2 :]).to_bytes(4, "big")
-                except (ValueError, OverflowError):
+                    bit = 1 << (GROUPS + int(name[sep + 2 :]))
+                except ValueError:
                     continue
                 if self._stop:
                     return
@@ -581,89 +689,84 @@ class FsTierBudget:
                         continue
                     try:
                         h = bytes.fromhex(fname[:-4])
-                        st = f.stat(follow_symlinks=False)
+                        mtime = f.stat(follow_symlinks=False).st_mtime
                     except (ValueError, OSError):
                         continue
-                    entry = found.get(h)
-                    if entry is None:
-                        found[h] = [{g}, st.st_size, st.st_mtime, 0, False]
+                    state = found.get(h)
+                    if state is None:
+                        found[h] = RECOVERED | bit
+                        mtimes[h] = mtime
                     else:
-                        entry[0].add(g)
-                        entry[1] += st.st_size
-                        entry[2] = max(entry[2], st.st_mtime)
+                        found[h] = state | bit
+                        if mtime > mtimes[h]:
+                            mtimes[h] = mtime
         links: dict[bytes, bytes] = {}
-        for h in found:
-            p = parents.get(h)
-            if p is not None and p in found:
+        for h, p in parents.items():
+            if h in found and p in found and h != p:
                 links[h] = p
-                found[p][3] += 1
+                found[p] += CHILD
+        del parents
         # the most recent first, each inserted at the least recent end
         # (numpy sorts without holding the GIL: the engine keeps serving)
         hashes = list(found)
-        mtimes = np.fromiter((found[h][2] for h in hashes), np.float64, len(hashes))
-        order = [hashes[i] for i in np.argsort(-mtimes, kind="stable")]
-        del hashes, mtimes
+        mt = np.fromiter(mtimes.values(), np.float64, len(hashes))
+        del mtimes
+        order = [hashes[i] for i in np.argsort(-mt, kind="stable").tolist()]
+        del hashes, mt
+        total = len(order)
         removed = 0
         with self._lock:
             self._recovering = found
         try:
-            for i in range(0, len(order), SCAN_BATCH):
+            for i in range(0, total, SCAN_BATCH):
                 if self._stop:
                     return
                 with self._lock:
                     for h in order[i : i + SCAN_BATCH]:
-                        self._insert_recovered(h, found[h], links.get(h))
+                        self._insert_recovered(h, found.pop(h), links.get(h))
                     evicted = self._evict(0)
-                removed += self._remove_files(evicted)
+                removed += self._remove_files(self._paths(evicted))
+                time.sleep(SCAN_PAUSE_S)
         finally:
             with self._lock:
                 self._recovering = None
-        self.scan_stats = (len(found), removed, self.used, time.monotonic() - start)
+        self.scan_stats = (total, removed, self.used, time.monotonic() - start)
         logger.info(
             "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
             "file(s) to fit max_bytes=%d; %d bytes used",
             self._label,
-            len(found),
+            total,
             self.scan_stats[3],
             removed,
             self.max_bytes,
             self.used,
         )
 
-    def _insert_recovered(self, h: bytes, entry: list, parent: bytes | None) -> None:
+    def _insert_recovered(self, h: bytes, found: int, parent: bytes | None) -> None:
         """Insert a chunk found on disk (under the lock). Its children count
-        is the recovered one (entry[3]), kept up to date while it waits:
-        a recovered child removed before its parent is inserted decrements
-        it there."""
-        groups, nbytes, _, children, _ = entry
-        entry[4] = True
-        chunk = self._chunks.get(h)
-        if chunk is not None:  # stored again since start: merge
-            for g in groups - chunk.groups:
-                chunk.groups.add(g)
-                chunk.nbytes += self.file_size
-                self.used += self.file_size
-            chunk.children += children
+        is the recovered one, kept up to date while it waited: a recovered
+        child removed before its parent was inserted decremented it there."""
+        chunks = self._chunks
+        state = chunks.get(h)
+        children = found & CHILDREN
+        if state is not None:  # stored again since start: merge
+            add = found >> GROUPS & ~(state >> GROUPS)
+            self.used += add.bit_count() * self.file_size
+            chunks[h] = (state | add << GROUPS) + children
             if children:
                 self._leaves.pop(h, None)
             if parent is not None:  # keep the link it has: drop the old one
-                pending = self._recovering[parent] if self._recovering else None
-                if pending is not None and not pending[4]:
-                    pending[3] -= 1
+                recovering = self._recovering
+                if recovering is not None and parent in recovering:
+                    recovering[parent] -= CHILD
                 else:
-                    pchunk = self._chunks.get(parent)
-                    if pchunk is not None:
-                        pchunk.children -= 1
-                        if pchunk.children == 0 and pchunk.pins == 0:
-                            self._leaves[parent] = None
-                            self._leaves.move_to_end(parent, last=False)
+                    self._drop_child(parent)
             return
-        chunk = self._chunks[h] = _Chunk(parent, recovered=True)
-        chunk.groups = groups
-        chunk.nbytes = nbytes
-        chunk.children = children
-        self.used += nbytes
-        if children == 0:
+        chunks[h] = found
+        if parent is not None:
+            self._parent[h] = parent
+        self.used += (found >> GROUPS).bit_count() * self.file_size
+        if not children:
             self._leaves[h] = None
             self._leaves.move_to_end(h, last=False)
 
@@ -676,10 +779,6 @@ class FsTierBudget:
             except OSError:  # removed by another engine, or never written
                 pass
         return n
-
-    def remove_evicted(self, paths: Iterable[str]) -> None:
-        """A task for the tier's I/O threads."""
-        self._remove_files(paths)
 
 
 def _record(h: bytes, parent: bytes) -> bytes:

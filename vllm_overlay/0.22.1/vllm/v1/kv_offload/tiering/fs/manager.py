@@ -84,6 +84,7 @@ from vllm.v1.kv_offload.tiering.base import (
     SecondaryTierManager,
 )
 from vllm.v1.kv_offload.tiering.fs.budget import (
+    Evicted,
     FsTierBudget,
     JobTicket,
     validate_max_bytes,
@@ -118,6 +119,8 @@ def _skip() -> None:
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again with the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
+# Evicted chunks whose files one store task removes before its write.
+REMOVALS_PER_TASK = 16
 
 
 def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
@@ -511,8 +514,8 @@ class FileSystemTierManager(SecondaryTierManager):
 
     @staticmethod
     def _after_removals(
-        remove: Callable[[list[str]], None],
-        evicted: list[str],
+        remove: Callable[[Evicted], None],
+        evicted: Evicted,
         task: Callable[[], None],
     ) -> None:
         remove(evicted)
@@ -529,7 +532,7 @@ class FileSystemTierManager(SecondaryTierManager):
         unloadable = self._unloadable
         rejected: Collection[OffloadKey] = ()
         unreachable: Collection[OffloadKey] = ()
-        evicted: list[str] = []
+        evicted: Evicted = []
         if self._budget is not None:
             # reserve the job's bytes (evicting first), pin its chunks
             rejected, unreachable, evicted, ticket = self._budget.admit_store(
@@ -568,11 +571,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 self._with_reprobe(t) if i == 0 else t for i, t in enumerate(tasks)
             )
         if evicted and self._budget is not None:
-            # each task first removes its share of the evicted files
-            n = len(job_metadata.keys)
+            # the first tasks first remove a share each of the evicted chunks'
+            # files (paths made there, off the scheduler thread): a wrapper per
+            # REMOVALS_PER_TASK chunks, not per chunk
+            n = min(len(job_metadata.keys), -(-len(evicted) // REMOVALS_PER_TASK))
             remove = self._budget.remove_evicted
             tasks = (
                 functools.partial(self._after_removals, remove, evicted[i::n], t)
+                if i < n
+                else t
                 for i, t in enumerate(tasks)
             )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
