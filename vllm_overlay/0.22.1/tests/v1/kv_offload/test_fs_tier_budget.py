@@ -466,6 +466,75 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
         tier.shutdown()
 
 
+def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
+    """A store evicts a chunk and an I/O thread removes its file later: in
+    between, lookup() answers the evicted key as a miss (a promotion of it
+    would load a file being removed), and a store of that key is not
+    written (the pending removal would delete the new file)."""
+    rows = _aligned_rows(4)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=page)  # one file
+    budget = tier._budget
+    release = threading.Event()
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [key(1)], 0, rows)
+        path1 = tier.file_mapper.get_file_name(key(1))
+        real_remove = budget.remove_evicted
+
+        def held_remove(evicted):
+            release.wait(30)
+            real_remove(evicted)
+
+        budget.remove_evicted = held_remove
+        rows[1] = block_bytes(key(2), page)
+        tier.submit_store(make_job(1, [key(2)], [1]))
+        # key 1 is evicted, its file still on disk until the removal runs
+        assert os.path.exists(path1)
+        assert not tier.lookup(key(1), _CTX)
+        rows[2] = block_bytes(key(1), page)
+        tier.submit_store(make_job(2, [key(1)], [2]))
+        release.set()
+        assert all(r.success for r in _finish(tier, 2))
+        assert not os.path.exists(path1)
+        assert not tier.lookup(key(1), _CTX)
+        assert tier.lookup(key(2), _CTX)
+        assert disk_bytes(str(tmp_path)) <= page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_the_journal_is_private_whatever_the_umask(tmp_path):
+    """The budget's journal names the chunks on disk: created 0600 in a
+    0700 rank directory, like the tier's block files, under umask 0."""
+    from vllm.v1.kv_offload.tiering.base import JobMetadata
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _aligned_rows(4)
+    page = rows.shape[1]
+    old_umask = os.umask(0)
+    try:
+        tier = make_tier(str(tmp_path / "fs"), rows, max_bytes=4 * page)
+        budget = tier._budget
+        try:
+            ctx = ReqContext("req")
+            keys = [key(i) for i in range(2)]
+            tier.touch(keys, ctx)
+            tier.submit_store(
+                JobMetadata(0, keys, np.arange(2, dtype=np.int64), False, ctx)
+            )
+            _finish(tier)
+        finally:
+            tier.shutdown()  # writes the journal
+    finally:
+        os.umask(old_umask)
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    assert os.path.getsize(journal) > 0
+    assert os.stat(journal).st_mode & 0o777 == 0o600
+    assert os.stat(budget._rank_dir).st_mode & 0o777 == 0o700
+
+
 def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
     """Two engines' tiers on one root (the same model and layout: the same
     directory), each with a budget of three files, store the same key and
@@ -527,7 +596,8 @@ def test_budget_above_free_space_warns_once(tmp_path, caplog):
 
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     """The prompt-ordered key lists kept for finding parents are bounded
-    (MAX_TRACKED_KEYS, least recently touched requests dropped first), and
+    (MAX_TRACKED_KEYS, least recently touched requests dropped first; a
+    list that grew since its last touch counts at its new length), and
     the journal of parents is compacted to the chunks still indexed: 50
     requests of 4 chained chunks over a budget of 4 files."""
     from vllm.v1.kv_offload.tiering.base import JobMetadata
@@ -543,7 +613,12 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
         for r in range(50):
             ctx = ReqContext(f"req{r}")
             keys = [key(1000 * r + i) for i in range(4)]
-            tier.touch(keys, ctx)
+            # the connector touches a full-attention group's live list,
+            # which grows between touches (decode): counted by length
+            live = keys[:2]
+            tier.touch(live, ctx)
+            live.extend(keys[2:])
+            tier.touch(live, ctx)
             tier.submit_store(
                 JobMetadata(r, keys, np.arange(4, dtype=np.int64), False, ctx)
             )

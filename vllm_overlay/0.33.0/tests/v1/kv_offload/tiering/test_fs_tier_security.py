@@ -277,13 +277,22 @@ def _refused(root, **config) -> str:
         (0o777, {"group_access": True}, "is writable by all users", "chmod o-w"),
         (0o770, {}, "is writable by its group", "chmod g-w"),
         (0o757, {}, "is writable by all users", "chmod go-w"),
+        (0o1777, {}, "is writable by all users (the sticky bit", "chmod go-w"),
+        (
+            0o1777,
+            {"group_access": True},
+            "is writable by all users (the sticky bit",
+            "chmod o-w",
+        ),
     ],
 )
 def test_a_root_others_can_write_is_refused(tmp_path, mode, config, refusal, fix):
     """A root writable by other users (or by its group, unless the tier
-    shares it with the group) without the sticky bit is refused at start,
-    naming the path, its mode and owner and the fix, before any thread
-    starts. Before: used as is, anyone could plant block files."""
+    shares it with the group) is refused at start, naming the path, its mode
+    and owner and the fix, before any thread starts; with the sticky bit too
+    (1777), as anyone can still pre-create the tier's directories and plant
+    config.json and block files in it. Before: used as is, anyone could plant
+    block files."""
     root = tmp_path / "kv"
     root.mkdir()
     os.chmod(root, mode)
@@ -307,11 +316,14 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
     assert f"a parent, {parent} (mode 0777" in message
     os.chmod(parent, 0o1777)
     make_tier(parent / "kv", rows(2)).shutdown()
+    # an existing private root in a sticky parent, as /tmp/kv
+    (parent / "kv2").mkdir(mode=0o700)
+    make_tier(parent / "kv2", rows(2)).shutdown()
 
 
 @pytest.mark.parametrize(
     ("mode", "config"),
-    [(0o700, {}), (0o755, {}), (0o1777, {}), (0o770, {"group_access": True})],
+    [(0o700, {}), (0o755, {}), (0o770, {"group_access": True})],
 )
 def test_a_safe_root_is_used(tmp_path, mode, config):
     root = tmp_path / "kv"
@@ -324,6 +336,38 @@ def test_a_safe_root_is_used(tmp_path, mode, config):
         tier.submit_store(job(1, [key(1)], [0]))
         assert finish(tier) == [True]
         assert lookup(tier, key(1)) is LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
+def test_a_root_given_through_a_symlink_is_used_resolved(tmp_path):
+    """A root_dir reached through a symbolic link is checked resolved, and
+    the tier then uses that resolved directory for everything (file mapper,
+    config.json, blocks): repointing the link after the check moves nothing.
+    Before: the resolved directory was checked but the tier used the link,
+    which could be repointed to an unchecked directory."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    resolved = os.path.realpath(real)
+    kv = rows(2)
+    kv[0] = 7
+    tier = make_tier(link, kv)
+    try:
+        assert tier.file_mapper.base_path.startswith(resolved + os.sep)
+        assert tier.file_mapper.get_config_file_path().startswith(resolved + os.sep)
+        assert os.path.isfile(tier.file_mapper.get_config_file_path())
+        link.unlink()
+        link.symlink_to(other, target_is_directory=True)
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert finish(tier) == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        assert path.startswith(resolved + os.sep)
+        assert os.path.isfile(path)
+        assert os.listdir(other) == []
     finally:
         tier.shutdown()
 

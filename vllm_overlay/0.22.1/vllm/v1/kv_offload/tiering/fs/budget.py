@@ -78,6 +78,13 @@ import numpy as np
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering.fs.io import (
+    O_NOFOLLOW,
+    PRIVATE_MODES,
+    FileModes,
+    make_dirs,
+    write_file_atomically,
+)
 
 logger = init_logger(__name__)
 
@@ -166,6 +173,7 @@ class FsTierBudget:
         label: str,
         prefix_groups: Collection[int] | None = None,
         chunk_id: Callable[[bytes], bytes] | None = None,
+        modes: FileModes = PRIVATE_MODES,
     ) -> None:
         """prefix_groups: the KV cache groups a hit needs every earlier
         chunk of (full attention); None: every group. A key of such a group
@@ -174,7 +182,9 @@ class FsTierBudget:
         Chunks are indexed by the stem of their file names, what the
         start-up scan reads back: chunk_id maps a block hash to it (a keyed
         namespace's keyed hash; None: the block hash itself), and
-        chunk_path maps it and a group index to the file's path."""
+        chunk_path maps it and a group index to the file's path. modes: the
+        tier's file modes, which the journal gets too (it names the chunks
+        on disk)."""
         self.max_bytes = max_bytes
         self.file_size = file_size
         self.used = 0
@@ -182,6 +192,7 @@ class FsTierBudget:
         self._key_path = key_path
         self._chunk_path = chunk_path
         self._chunk_id = chunk_id
+        self._modes = modes
         self._label = label
         self._prefix_groups: frozenset[bytes] | None = (
             None
@@ -206,7 +217,12 @@ class FsTierBudget:
         self._step_pins: list[bytes] = []
         # req_id -> {group suffix: the request's keys of it, in prompt order}
         self._orders: OrderedDict[str, dict[bytes, list]] = OrderedDict()
+        # req_id -> {group suffix: the length its list had when counted};
+        # the connector appends to a live list between touches
+        self._order_lens: dict[str, dict[bytes, int]] = {}
         self._order_keys = 0  # their keys, when last touched
+        # evicted chunks whose files the I/O threads have not removed yet
+        self._removing: set[bytes] = set()
         # the start-up scan's chunks not inserted yet (chunk id -> state);
         # None once the scan is done
         self._recovering: dict[bytes, int] | None = None
@@ -242,15 +258,19 @@ class FsTierBudget:
             orders = self._orders.get(req_id)
             if orders is None:
                 orders = self._orders[req_id] = {}
+                lens = self._order_lens[req_id] = {}
             else:
                 self._orders.move_to_end(req_id)
+                lens = self._order_lens[req_id]
             last = keys[-1]
-            old = orders.get(last[-4:])
-            orders[last[-4:]] = keys
-            self._order_keys += len(keys) - (len(old) if old is not None else 0)
+            g = last[-4:]
+            orders[g] = keys
+            # counted by length, not by list: the same list may have grown
+            self._order_keys += len(keys) - lens.get(g, 0)
+            lens[g] = len(keys)
             while self._order_keys > MAX_TRACKED_KEYS and len(self._orders) > 1:
-                _, dropped = self._orders.popitem(last=False)
-                self._order_keys -= sum(len(o) for o in dropped.values())
+                dropped, _ = self._orders.popitem(last=False)
+                self._order_keys -= sum(self._order_lens.pop(dropped).values())
             # the prompt is in use: its deepest chunk on disk is recent
             h = self._cid(last[:-4])
             if h in self._leaves:
@@ -298,7 +318,14 @@ class FsTierBudget:
             pinned: list[bytes] = []
             # chunk id -> group bitmask of the job's new files
             new: dict[bytes, int] = {}
+            # evicted chunks whose files are not removed yet: not written
+            # now (the removal would delete the new files); a miss until
+            # stored again
+            removing: dict[bytes, int] = {}
             for h, bits in job.items():
+                if h in self._removing:
+                    removing[h] = bits
+                    continue
                 state = chunks.get(h)
                 if state is None:
                     new[h] = bits
@@ -381,6 +408,7 @@ class FsTierBudget:
                             journal.append((h, parent))
         rejected_keys: set[OffloadKey] = set()
         unreachable_keys: set[OffloadKey] = set()
+        unreachable.update(removing)
         if rejected or unreachable:
             for k in keys:
                 h = k[:-4] if ids is None else ids[k[:-4]]
@@ -450,6 +478,16 @@ class FsTierBudget:
     def remove_evicted(self, evicted: Evicted) -> None:
         """Remove evicted chunks' files (a task for the tier's I/O threads)."""
         self._remove_files(self._paths(evicted))
+        self._removed(evicted)
+
+    def is_removing(self, key: OffloadKey) -> bool:
+        """lookup(): the key's chunk was evicted and its files are being
+        removed (a miss: its load would fail)."""
+        return bool(self._removing) and self._cid(key[:-4]) in self._removing
+
+    def _removed(self, evicted: Evicted) -> None:
+        with self._lock:
+            self._removing.difference_update(h for h, _ in evicted)
 
     # ---- internals (under self._lock) --------------------------------------
 
@@ -577,6 +615,7 @@ class FsTierBudget:
                 continue  # pinned: listed again when unpinned
             groups = state >> GROUPS
             evicted.append((h, groups))
+            self._removing.add(h)
             files += groups.bit_count()
             self._remove_chunk(h, state)
         self.evicted_files += files
@@ -632,9 +671,18 @@ class FsTierBudget:
         if not records:
             return
         try:
-            os.makedirs(self._rank_dir, exist_ok=True)
-            with open(self._journal_path, "ab") as f:
-                f.write(b"".join(records))
+            # the tier's modes: the journal names the chunks on disk
+            make_dirs(self._rank_dir, self._modes)
+            fd = os.open(
+                self._journal_path,
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW,
+                self._modes.file,
+            )
+            try:
+                os.fchmod(fd, self._modes.file)
+                os.write(fd, b"".join(records))
+            finally:
+                os.close(fd)
             self._journal_records += len(records)
             if self._journal_records > 2 * len(self._chunks) + SCAN_BATCH:
                 self._compact_journal()
@@ -652,10 +700,11 @@ class FsTierBudget:
             for h, p in _read_journal(self._journal_path).items()
             if h in self._chunks
         }
-        tmp = f"{self._journal_path}.{os.getpid()}.compact"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(_record(h, p) for h, p in kept.items()))
-        os.replace(tmp, self._journal_path)
+        write_file_atomically(
+            self._journal_path,
+            b"".join(_record(h, p) for h, p in kept.items()),
+            self._modes,
+        )
         self._journal_records = len(kept)
 
     def _scan(self) -> None:
@@ -726,6 +775,7 @@ class FsTierBudget:
                         self._insert_recovered(h, found.pop(h), links.get(h))
                     evicted = self._evict(0)
                 removed += self._remove_files(self._paths(evicted))
+                self._removed(evicted)
                 time.sleep(SCAN_PAUSE_S)
         finally:
             with self._lock:
@@ -787,8 +837,12 @@ def _record(h: bytes, parent: bytes) -> bytes:
 
 def _read_journal(path: str) -> dict[bytes, bytes]:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
     except OSError:
         return {}
     parents: dict[bytes, bytes] = {}

@@ -59,9 +59,12 @@ def _check_opened_at(fd: int, path: str) -> None:
 _thread_local = threading.local()
 
 # The fs tier's temp files, see _get_tmp_suffix(): a block's
-# (<hash_hex>.bin_<n>.tmp), the O_DIRECT probe's (.direct_io_probe_<n>.tmp)
-# and config.json's (config.json_<n>.tmp).
-_TMP_NAME_RE = re.compile(r"(?:\.bin|\.direct_io_probe|^config\.json)_[0-9]+\.tmp$")
+# (<hash_hex>.bin_<n>.tmp), the O_DIRECT probe's (.direct_io_probe_<n>.tmp),
+# config.json's (config.json_<n>.tmp) and the budget journal's compaction
+# (budget.journal_<n>.tmp).
+_TMP_NAME_RE = re.compile(
+    r"(?:\.bin|\.direct_io_probe|^config\.json|^budget\.journal)_[0-9]+\.tmp$"
+)
 
 
 def _get_tmp_suffix() -> str:

@@ -201,7 +201,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"got {group_access!r}"
             )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
-        check_root_dir(root_dir, tier_type, group_access)
+        # From here on the resolved root, the one checked: a symlink in the
+        # given path could be repointed after the check.
+        root_dir = check_root_dir(root_dir, tier_type, group_access)
         tier_key = (
             load_key_file(key_file, tier_type, group_access)
             if key_file is not None
@@ -240,7 +242,7 @@ class FileSystemTierManager(SecondaryTierManager):
         # Create file mapper
         self.file_mapper = FileMapper.from_offloading_spec(
             # resolved, so that I/O can tell a symlink in the tree
-            root_dir=os.path.realpath(root_dir),
+            root_dir=root_dir,
             offloading_spec=offloading_spec,
             gpu_blocks_per_file=offloading_spec.block_size_factor,
             checksum=file_format,
@@ -358,6 +360,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 ]
                 or None,
                 chunk_id=chunk_id,
+                modes=self._modes,
             )
             logger.info(
                 "fs_python tier at %s: max_bytes=%d (%d chunk files of %d "
@@ -461,6 +464,8 @@ class FileSystemTierManager(SecondaryTierManager):
     ) -> bool | None:
         if key in self._unloadable:
             return False
+        if self._budget is not None and self._budget.is_removing(key):
+            return False  # evicted: its file is about to be removed
         try:
             st = os.lstat(self.file_mapper.get_file_name(key))
         except OSError:

@@ -189,7 +189,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"got {group_access!r}"
             )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
-        check_root_dir(root_dir, tier_type, group_access)
+        # From here on the resolved root, the one checked: a symlink in the
+        # given path could be repointed after the check.
+        root_dir = check_root_dir(root_dir, tier_type, group_access)
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )

@@ -11,15 +11,20 @@ its parents must be
 
 - owned by the engine's user or by root (uid 0), and
 - writable by nobody else: not by others, and not by the group unless the
-  tier shares its root with a group (group_access); a directory with the
-  sticky bit (/tmp) is fine, as only a file's owner may then rename or
-  remove it.
+  tier shares its root with a group (group_access); a parent with the
+  sticky bit (/tmp) is fine, as only an entry's owner may then rename or
+  remove it. The root itself gets no such exemption: in a sticky,
+  world-writable root (1777) anyone can still create entries, so they
+  could pre-create the tier's directories and plant config.json and block
+  files there.
 
 A root that fails is refused with a ValueError that names the path, its
 mode and owner, and the fix, before the tier creates or starts anything.
 A root that does not exist yet is checked from its nearest existing parent
 (the tier creates the rest private). Symbolic links in the root's path are
-resolved first: the directories checked are the ones the tier will use.
+resolved first, and the resolved root is returned: the tier uses that
+path, so the directories checked are the ones it uses, even if a link in
+root_dir's path is repointed later.
 """
 
 import os
@@ -34,22 +39,31 @@ def _owner_name(uid: int) -> str:
         return str(uid)
 
 
-def _unsafe_reason(st: os.stat_result, uid: int, group_access: bool) -> str | None:
-    """Why a directory with stat *st* cannot be trusted, or None."""
+def _unsafe_reason(
+    st: os.stat_result, uid: int, group_access: bool, is_root: bool
+) -> str | None:
+    """Why a directory with stat *st* (the root itself if *is_root*, else
+    one of its parents) cannot be trusted, or None."""
     if st.st_uid not in (uid, 0):
         return "is owned by another user"
-    if st.st_mode & stat.S_ISVTX:
-        return None  # only a file's owner may rename or remove it
+    if st.st_mode & stat.S_ISVTX and not is_root:
+        return None  # only an entry's owner may rename or remove it
     if st.st_mode & stat.S_IWOTH:
+        if st.st_mode & stat.S_ISVTX:
+            return (
+                "is writable by all users (the sticky bit does not stop them "
+                "creating the tier's directories and files in it)"
+            )
         return "is writable by all users"
     if st.st_mode & stat.S_IWGRP and not group_access:
         return "is writable by its group"
     return None
 
 
-def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> None:
+def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
     """Raise ValueError unless *root_dir* and its parents are safe (see the
-    module docstring) for the tier *tier_type*."""
+    module docstring) for the tier *tier_type*. Returns the resolved root
+    (os.path.realpath), the one path the tier must use from then on."""
     uid = os.geteuid()
     root = path = os.path.realpath(root_dir)
     while True:
@@ -58,9 +72,10 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> None:
         except FileNotFoundError:
             st = None  # created by the tier, private
         if st is not None:
-            reason = _unsafe_reason(st, uid, group_access)
+            is_root = path == root
+            reason = _unsafe_reason(st, uid, group_access, is_root)
             if reason is not None:
-                what = "root_dir" if path == root else "a parent"
+                what = "root_dir" if is_root else "a parent"
                 mode = stat.S_IMODE(st.st_mode)
                 if reason == "is owned by another user":
                     fix = (
@@ -87,5 +102,5 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> None:
                 )
         parent = os.path.dirname(path)
         if parent == path:
-            return
+            return root
         path = parent
