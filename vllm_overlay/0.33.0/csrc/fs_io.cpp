@@ -31,8 +31,7 @@ inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
   std::vector<std::filesystem::path> missing;
   struct stat st;
   for (auto dir = std::filesystem::path(path).parent_path();
-       !dir.empty() && stat(dir.c_str(), &st) != 0;
-       dir = dir.parent_path()) {
+       !dir.empty() && stat(dir.c_str(), &st) != 0; dir = dir.parent_path()) {
     missing.push_back(dir);
     if (dir == dir.parent_path()) {
       break;
@@ -318,11 +317,10 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   {
     Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
       const char* buf = static_cast<const char*>(buffers[i].buf);
-      const int err =
-          _store_block(tmp_paths[i], dest_paths[i], buf,
-                       static_cast<size_t>(buffers[i].len), use_o_direct,
-                       static_cast<mode_t>(file_mode),
-                       static_cast<mode_t>(dir_mode));
+      const int err = _store_block(tmp_paths[i], dest_paths[i], buf,
+                                   static_cast<size_t>(buffers[i].len),
+                                   use_o_direct, static_cast<mode_t>(file_mode),
+                                   static_cast<mode_t>(dir_mode));
       if (err != 0 && failed_index < 0) {
         failed_index = i;
         failure_errno = err;
