@@ -21,30 +21,17 @@ import mmap
 import os
 import stat
 import threading
-import time
-from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
+from test_fs_tier import _CTX, _MOCK_OFFLOADING_SPEC, _aligned_rows, _finish, make_job
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-_CTX = ReqContext(req_id="test")
-
-_SPEC = MagicMock()
-_SPEC.vllm_config.model_config.model = "test-model"
-_SPEC.vllm_config.cache_config.block_size = 16
-_SPEC.vllm_config.cache_config.cache_dtype = "torch.float32"
-_SPEC.vllm_config.parallel_config.tensor_parallel_size = 1
-_SPEC.vllm_config.parallel_config.pipeline_parallel_size = 1
-_SPEC.vllm_config.parallel_config.prefill_context_parallel_size = 1
-_SPEC.vllm_config.parallel_config.decode_context_parallel_size = 1
-_SPEC.vllm_config.parallel_config.rank = 0
-_SPEC.kv_cache_config.kv_cache_groups = []
-_SPEC.block_size_factor = 1
-_SPEC.hash_block_size = 16
+_SPEC = _MOCK_OFFLOADING_SPEC
+rows = _aligned_rows  # page-aligned rows of one page each: O_DIRECT works
+finish = _finish
 
 
 def key(n: int, group: int = 0) -> OffloadKey:
@@ -52,19 +39,7 @@ def key(n: int, group: int = 0) -> OffloadKey:
 
 
 def job(job_id: int, keys: list[OffloadKey], block_ids: list[int], load=False):
-    return JobMetadata(
-        job_id=job_id,
-        keys=keys,
-        block_ids=np.array(block_ids, dtype=np.int64),
-        is_promotion=load,
-        req_context=_CTX,
-    )
-
-
-def rows(n_rows: int) -> np.ndarray:
-    """Page-aligned rows of one page each, so that O_DIRECT can be used."""
-    region = mmap.mmap(-1, n_rows * mmap.PAGESIZE)
-    return np.frombuffer(region, dtype=np.uint8).reshape(n_rows, mmap.PAGESIZE)
+    return make_job(job_id, keys, block_ids, is_promotion=load)
 
 
 def make_tier(root_dir, kv_rows: np.ndarray, **config) -> FileSystemTierManager:
@@ -77,17 +52,6 @@ def make_tier(root_dir, kv_rows: np.ndarray, **config) -> FileSystemTierManager:
         n_write_threads=2,
         **config,
     )
-
-
-def finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
-    """The results of the next n_jobs jobs to finish."""
-    results: list = []
-    deadline = time.monotonic() + 60
-    while len(results) < n_jobs:
-        assert time.monotonic() < deadline, "the tier's jobs did not finish"
-        results.extend(tier.get_finished())
-        time.sleep(0.001)
-    return results
 
 
 def modes_under(top) -> dict[str, int]:
@@ -245,6 +209,49 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
     # an existing private root in a sticky parent, as /tmp/kv
     (parent / "kv2").mkdir(mode=0o700)
     make_tier(parent / "kv2", rows(2)).shutdown()
+
+
+def _a_stranger_group() -> int:
+    """A gid the engine's user is not a member of."""
+    mine = {os.getegid(), *os.getgroups()}
+    return next(gid for gid in range(54321, 60000) if gid not in mine)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chgrp to a foreign group needs root")
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_group_access_trusts_only_the_engines_groups(tmp_path, where):
+    """group_access shares the root with the engine's own group: a root (or
+    parent) writable by a group the engine's user is not in is refused, as
+    its members are strangers to the engine."""
+    parent = tmp_path / "shared"
+    parent.mkdir(mode=0o700)
+    root = parent / "kv"
+    root.mkdir(mode=0o700)
+    target = root if where == "root" else parent
+    gid = _a_stranger_group()
+    os.chown(target, -1, gid)
+    os.chmod(target, 0o770)
+    message = _refused(root, group_access=True)
+    assert f"{target} (mode 0770" in message
+    assert f"is writable by its group {gid}, which the engine's user" in message
+    assert f"Fix: chgrp {os.getegid()} {target}" in message
+    os.chown(target, -1, os.getegid())
+    make_tier(root, rows(2), group_access=True).shutdown()
+
+
+def test_a_root_that_cannot_be_checked_is_refused(tmp_path):
+    """A root_dir whose path runs through a file is refused with an OSError
+    (as a root_dir the tier cannot create) that names root_dir and the fix,
+    before any thread starts."""
+    (tmp_path / "file").write_bytes(b"")
+    threads = set(threading.enumerate())
+    with pytest.raises(OSError) as refused:
+        make_tier(tmp_path / "file" / "kv", rows(2))
+    assert set(threading.enumerate()) <= threads, "refused after starting threads"
+    message = str(refused.value)
+    assert "of the 'fs_python' tier cannot be checked" in message
+    assert "Not a directory" in message
+    assert "Fix: use a root_dir whose parents are directories" in message
 
 
 @pytest.mark.parametrize(
@@ -559,6 +566,18 @@ def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refu
 def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):
     path = key_file(tmp_path / "key", mode=0o640)
     make_tier(tmp_path / "kv", rows(2), key_file=path, group_access=True).shutdown()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chgrp to a foreign group needs root")
+def test_a_key_file_readable_by_a_stranger_group_is_refused(tmp_path):
+    """With group_access, a key file may be readable by the engine's own
+    group only: another group's members could plant blocks that load."""
+    path = key_file(tmp_path / "key", mode=0o640)
+    gid = _a_stranger_group()
+    os.chown(path, -1, gid)
+    message = _refused(tmp_path / "kv", key_file=path, group_access=True)
+    assert f"is accessible by its group {gid}, which the engine's user" in message
+    assert f"Fix: chgrp {os.getegid()} {path}, or chmod 600 {path}" in message
 
 
 def test_the_key_is_never_logged_or_written(tmp_path, caplog):

@@ -321,6 +321,49 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
     make_tier(parent / "kv2", rows(2)).shutdown()
 
 
+def _a_stranger_group() -> int:
+    """A gid the engine's user is not a member of."""
+    mine = {os.getegid(), *os.getgroups()}
+    return next(gid for gid in range(54321, 60000) if gid not in mine)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chgrp to a foreign group needs root")
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_group_access_trusts_only_the_engines_groups(tmp_path, where):
+    """group_access shares the root with the engine's own group: a root (or
+    parent) writable by a group the engine's user is not in is refused, as
+    its members are strangers to the engine."""
+    parent = tmp_path / "shared"
+    parent.mkdir(mode=0o700)
+    root = parent / "kv"
+    root.mkdir(mode=0o700)
+    target = root if where == "root" else parent
+    gid = _a_stranger_group()
+    os.chown(target, -1, gid)
+    os.chmod(target, 0o770)
+    message = _refused(root, group_access=True)
+    assert f"{target} (mode 0770" in message
+    assert f"is writable by its group {gid}, which the engine's user" in message
+    assert f"Fix: chgrp {os.getegid()} {target}" in message
+    os.chown(target, -1, os.getegid())
+    make_tier(root, rows(2), group_access=True).shutdown()
+
+
+def test_a_root_that_cannot_be_checked_is_refused(tmp_path):
+    """A root_dir whose path runs through a file is refused with an OSError
+    (as a root_dir the tier cannot create) that names root_dir and the fix,
+    before any thread starts."""
+    (tmp_path / "file").write_bytes(b"")
+    threads = set(threading.enumerate())
+    with pytest.raises(OSError) as refused:
+        make_tier(tmp_path / "file" / "kv", rows(2))
+    assert set(threading.enumerate()) <= threads, "refused after starting threads"
+    message = str(refused.value)
+    assert "of the 'fs' tier cannot be checked" in message
+    assert "Not a directory" in message
+    assert "Fix: use a root_dir whose parents are directories" in message
+
+
 @pytest.mark.parametrize(
     ("mode", "config"),
     [(0o700, {}), (0o755, {}), (0o770, {"group_access": True})],

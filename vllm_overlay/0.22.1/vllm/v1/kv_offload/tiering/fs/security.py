@@ -13,7 +13,9 @@ its parents must be
 
 - owned by the engine's user or by root (uid 0), and
 - writable by nobody else: not by others, and not by the group unless the
-  tier shares its root with a group (group_access); a parent with the
+  tier shares its root with a group (group_access) and the engine's user
+  is a member of that group (any other group's members are strangers to
+  the engine, however its mode reads); a parent with the
   sticky bit (/tmp) is fine, as only an entry's owner may then rename or
   remove it. The root itself gets no such exemption: in a sticky,
   world-writable root (1777) anyone can still create entries, so they
@@ -35,7 +37,8 @@ where a prefix's block lives, test whether it is cached, or plant one that
 loads. It is read from a file (never inline in the config or the command
 line, which ps and the logs show) that must be private: owned by the
 engine's user or root, not readable by others (nor by the group unless
-group_access), and at least MIN_KEY_BYTES long. Two keys are derived from
+group_access and the engine's user is in that group), and at least
+MIN_KEY_BYTES long. Two keys are derived from
 it (HKDF-SHA256, RFC 5869): one names the files, one MACs the blocks. The
 key and what is derived from it are never logged or written anywhere.
 """
@@ -54,6 +57,10 @@ def _owner_name(uid: int) -> str:
         return str(uid)
 
 
+def _engine_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
 def _unsafe_reason(
     st: os.stat_result, uid: int, group_access: bool, is_root: bool
 ) -> str | None:
@@ -70,8 +77,14 @@ def _unsafe_reason(
                 "creating the tier's directories and files in it)"
             )
         return "is writable by all users"
-    if st.st_mode & stat.S_IWGRP and not group_access:
-        return "is writable by its group"
+    if st.st_mode & stat.S_IWGRP:
+        if not group_access:
+            return "is writable by its group"
+        if st.st_gid not in _engine_groups():
+            return (
+                f"is writable by its group {st.st_gid}, which the engine's user "
+                "is not a member of"
+            )
     return None
 
 
@@ -86,6 +99,14 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
             st = os.stat(path)
         except FileNotFoundError:
             st = None  # created by the tier, private
+        except OSError as e:
+            # still an OSError, as for a root_dir the tier cannot create
+            raise OSError(
+                e.errno,
+                f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
+                f"checked: {path}: {e.strerror}. Fix: use a root_dir whose "
+                "parents are directories the engine's user can search",
+            ) from None
         if st is not None:
             is_root = path == root
             reason = _unsafe_reason(st, uid, group_access, is_root)
@@ -96,6 +117,11 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
                     fix = (
                         f"run the engine as that user, or use a root_dir owned by "
                         f"uid {uid} (chown {uid} {path})"
+                    )
+                elif "not a member" in reason:
+                    fix = (
+                        f"chgrp {os.getegid()} {path} (a group of the engine's "
+                        f"user), or chmod g-w {path}"
                     )
                 else:
                     if "group" in reason:
@@ -183,13 +209,20 @@ def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierK
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{prefix} is not a regular file: {fix}")
         mode = stat.S_IMODE(st.st_mode)
-        allowed = 0o740 if group_access else 0o700
+        shared = group_access and st.st_gid in _engine_groups()
+        allowed = 0o740 if shared else 0o700
         if mode & ~allowed & 0o077:
             who = "others" if mode & 0o007 else "its group"
+            fix = f"chmod {'640' if shared else '600'} {key_file}"
+            if group_access and not shared and who == "its group":
+                who = (
+                    f"its group {st.st_gid}, which the engine's user is not a "
+                    "member of"
+                )
+                fix = f"chgrp {os.getegid()} {key_file}, or chmod 600 {key_file}"
             raise ValueError(
                 f"{prefix} is accessible by {who} (mode {mode:04o}): anyone "
-                f"who reads it can plant blocks that load. Fix: chmod "
-                f"{'640' if group_access else '600'} {key_file}"
+                f"who reads it can plant blocks that load. Fix: {fix}"
             )
         if st.st_uid not in (os.geteuid(), 0):
             raise ValueError(

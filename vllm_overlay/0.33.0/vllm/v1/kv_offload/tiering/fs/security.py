@@ -11,7 +11,9 @@ its parents must be
 
 - owned by the engine's user or by root (uid 0), and
 - writable by nobody else: not by others, and not by the group unless the
-  tier shares its root with a group (group_access); a parent with the
+  tier shares its root with a group (group_access) and the engine's user
+  is a member of that group (any other group's members are strangers to
+  the engine, however its mode reads); a parent with the
   sticky bit (/tmp) is fine, as only an entry's owner may then rename or
   remove it. The root itself gets no such exemption: in a sticky,
   world-writable root (1777) anyone can still create entries, so they
@@ -39,6 +41,10 @@ def _owner_name(uid: int) -> str:
         return str(uid)
 
 
+def _engine_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
 def _unsafe_reason(
     st: os.stat_result, uid: int, group_access: bool, is_root: bool
 ) -> str | None:
@@ -55,8 +61,14 @@ def _unsafe_reason(
                 "creating the tier's directories and files in it)"
             )
         return "is writable by all users"
-    if st.st_mode & stat.S_IWGRP and not group_access:
-        return "is writable by its group"
+    if st.st_mode & stat.S_IWGRP:
+        if not group_access:
+            return "is writable by its group"
+        if st.st_gid not in _engine_groups():
+            return (
+                f"is writable by its group {st.st_gid}, which the engine's user "
+                "is not a member of"
+            )
     return None
 
 
@@ -71,6 +83,14 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
             st = os.stat(path)
         except FileNotFoundError:
             st = None  # created by the tier, private
+        except OSError as e:
+            # still an OSError, as for a root_dir the tier cannot create
+            raise OSError(
+                e.errno,
+                f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
+                f"checked: {path}: {e.strerror}. Fix: use a root_dir whose "
+                "parents are directories the engine's user can search",
+            ) from None
         if st is not None:
             is_root = path == root
             reason = _unsafe_reason(st, uid, group_access, is_root)
@@ -81,6 +101,11 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
                     fix = (
                         f"run the engine as that user, or use a root_dir owned by "
                         f"uid {uid} (chown {uid} {path})"
+                    )
+                elif "not a member" in reason:
+                    fix = (
+                        f"chgrp {os.getegid()} {path} (a group of the engine's "
+                        f"user), or chmod g-w {path}"
                     )
                 else:
                     if "group" in reason:
