@@ -9,9 +9,12 @@ dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so buffered reads hit
 The raw reference uses O_DIRECT when the row allows it (page-aligned rows), else buffered I/O,
 as the tier does. Throughput counts the payload bytes (the KV data), not the padding.
 
-Sections: rows of several sizes (one KV cache group), then equal bytes per token stored as
-1, 2 or 4 KV cache groups (G files per chunk), then the cost of the tier's integrity check
-(the tier with checksum "xxh3_64" vs the same tier with checksum "none", rounds alternated).
+Sections: rows of 4 KiB - 4 MiB (one KV cache group: the file sizes blocks_per_chunk
+reaches), then equal bytes per token stored as 1, 2 or 4 KV cache groups (G files per chunk
+through the tier and raw, and raw one file per chunk: the G rows at page-aligned offsets,
+written with one writev, loaded whole or one row per key by offset), then the cost of the
+tier's integrity check (the tier with checksum "xxh3_64" vs the same tier with checksum
+"none", rounds alternated).
 """
 
 import argparse
@@ -25,7 +28,7 @@ import shutil
 import threading
 import time
 
-from common import QUICK, TMP, BenchError, run_main, say, vllm_fingerprint
+from common import QUICK, TMP, BenchError, fmt_bytes, run_main, say, vllm_fingerprint
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -92,6 +95,12 @@ class Point:
         self.raw_paths = [p.replace(tier_root, raw_root, 1) for p in self.tier_paths]
         for p in {os.path.dirname(p) for p in self.tier_paths + self.raw_paths}:
             os.makedirs(p, exist_ok=True)
+        # one file per chunk (the HMA layout alternative), in group 0's key's place
+        chunk_root = os.path.join(root, "chunk")
+        self.chunk_paths = [
+            p.replace(raw_root, chunk_root, 1) for p in self.raw_paths[:: self.groups]
+        ]
+        self.chunk_dirs_made = False  # made by the first chunk round (only the HMA section)
         # the raw reference writes only the payload: O_DIRECT when it is page-sized
         self.raw_direct = payload % PAGE == 0 and O_DIRECT != 0
         self.threads = threads
@@ -171,6 +180,64 @@ class Point:
             raise errors[0]
         return took
 
+    # -- raw one-file-per-chunk layout: a chunk's G rows in one file at page-aligned offsets
+    def chunk_io(self, is_load: bool, by_group: bool = False) -> float:
+        """Store: one writev per chunk. Load: one preadv of the whole chunk, or (by_group)
+        one task per key that opens the chunk file and preads its group's row at its offset,
+        as a per-key tier would serve a key of such a file."""
+        flags = O_DIRECT if self.raw_direct else 0
+        rb, n, g, flat, paths = (
+            self.row_bytes,
+            self.payload,
+            self.groups,
+            self.flat,
+            self.chunk_paths,
+        )
+        slot = -(-n // PAGE) * PAGE  # group j's row starts at j * slot
+
+        def rows(c: int) -> list:
+            return [flat[i * rb : i * rb + n] for i in range(c * g, (c + 1) * g)]
+
+        def store(c: int) -> None:
+            fd = os.open(paths[c], os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flags, 0o644)
+            try:
+                if slot == n:
+                    if os.writev(fd, rows(c)) != g * n:
+                        raise OSError("short write")
+                else:
+                    for j, row in enumerate(rows(c)):
+                        if os.pwrite(fd, row, j * slot) != n:
+                            raise OSError("short write")
+            finally:
+                os.close(fd)
+
+        def load_chunk(c: int) -> None:
+            fd = os.open(paths[c], os.O_RDONLY | flags)
+            try:
+                if slot == n:
+                    if os.preadv(fd, rows(c), 0) != g * n:
+                        raise OSError("short read")
+                else:
+                    for j, row in enumerate(rows(c)):
+                        if os.preadv(fd, [row], j * slot) != n:
+                            raise OSError("short read")
+            finally:
+                os.close(fd)
+
+        def load_key(i: int) -> None:
+            fd = os.open(paths[i // g], os.O_RDONLY | flags)
+            try:
+                if os.preadv(fd, [flat[i * rb : i * rb + n]], (i % g) * slot) != n:
+                    raise OSError("short read")
+            finally:
+                os.close(fd)
+
+        if not is_load:
+            return run_tasks(self.rows // g, store, self.threads)
+        if by_group:
+            return run_tasks(self.rows, load_key, self.threads)
+        return run_tasks(self.rows // g, load_chunk, self.threads)
+
     def evict(self, paths: list[str]) -> None:
         os.sync()  # write back buffered files, so that their pages can be dropped
         for p in paths:
@@ -189,13 +256,22 @@ class Point:
 
     def round_trip(self, side: str) -> tuple[float, float]:
         """Store every row, drop it from memory, load it back and check it; (store s, load s)."""
-        paths = self.tier_paths if side == "tier" else self.raw_paths
+        paths = {
+            "tier": self.tier_paths,
+            "chunk": self.chunk_paths,
+            "chunk_by_group": self.chunk_paths,
+        }.get(side, self.raw_paths)
         self.drop(paths)
-        io = (
-            self.tier_io
-            if side == "tier"
-            else (lambda is_load: self.raw_io(is_load, serial_chunks=side == "raw_serial"))
-        )
+        if side.startswith("chunk") and not self.chunk_dirs_made:
+            for p in {os.path.dirname(p) for p in self.chunk_paths}:
+                os.makedirs(p, exist_ok=True)
+            self.chunk_dirs_made = True
+        if side == "tier":
+            io = self.tier_io
+        elif side.startswith("chunk"):
+            io = lambda is_load: self.chunk_io(is_load, by_group=side == "chunk_by_group")  # noqa: E731
+        else:
+            io = lambda is_load: self.raw_io(is_load, serial_chunks=side == "raw_serial")  # noqa: E731
         t_store = io(False)
         self.evict(paths)
         self.arr[:] = 0
@@ -209,6 +285,30 @@ class Point:
         self.tier.shutdown()
         self.view.release()
         self.flat.release()
+
+
+def run_tasks(n_tasks: int, task, n_threads: int) -> float:
+    """Run task(0 .. n_tasks - 1) on n_threads threads; the wall time in seconds."""
+    counter = itertools.count()
+    errors: list[Exception] = []
+
+    def worker() -> None:
+        try:
+            while (i := next(counter)) < n_tasks:
+                task(i)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return took
 
 
 def measure(point: Point, sides: list[str], rounds: int) -> dict:
@@ -322,11 +422,10 @@ def main() -> int:
     root.mkdir(parents=True)
     max_bytes = (32 if QUICK else 128) << 20
     max_files = 512 if QUICK else 2048
-    # (label, row bytes in the primary tier, payload bytes per block)
-    rows = [
-        ("4 KiB", 4 << 10, 4 << 10),
-        ("64 KiB", 64 << 10, 64 << 10),
-        ("2 MiB", 2 << 20, 2 << 20),
+    # (label, row bytes in the primary tier, payload bytes per block). The sweep is the file
+    # sizes blocks_per_chunk reaches (file = blocks_per_chunk x a group's row): every row
+    # moves at most max_bytes in at most max_files files, so the small rows stay short.
+    rows = [(fmt_bytes(size), size, size) for size in (4 << 10 << 2 * k for k in range(6))] + [
         ("1280 B, unpadded row", 1280, 1280),
         ("1280 B, row padded to 4 KiB", 4 << 10, 1280),
     ]
@@ -348,7 +447,8 @@ def main() -> int:
     )
     sections = set(args.sections.split(","))
     for label, row_bytes, payload in rows if "rows" in sections else []:
-        n = max(1, min(max_files, max_bytes // row_bytes))
+        # at least two files per thread, so that the large rows keep every thread busy
+        n = max(2 * args.threads, min(max_files, max_bytes // row_bytes))
         point = Point(
             str(root / f"rows-{row_bytes}-{payload}"), row_bytes, payload, n, 1, args.threads
         )
@@ -380,7 +480,7 @@ def main() -> int:
             groups,
             args.threads,
         )
-        sides = ["tier", "raw"] + (["raw_serial"] if groups > 1 else [])
+        sides = ["tier", "raw", "chunk"] + (["raw_serial", "chunk_by_group"] if groups > 1 else [])
         try:
             res = measure(point, sides, args.rounds)
         finally:

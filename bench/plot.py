@@ -1,4 +1,4 @@
-"""Throughput vs row size as a PNG: matplotlib when installed, else a plain Pillow drawing."""
+"""Throughput vs file size as a PNG: matplotlib when installed, else a plain Pillow drawing."""
 
 import math
 from pathlib import Path
@@ -9,7 +9,7 @@ SERIES = {  # name -> RGB
     "tier load": (214, 39, 40),
     "raw load": (214, 39, 40),
 }
-TITLE = "fs_python tier vs raw file-per-block I/O (one KV cache group)"
+TITLE = "fs_python tier vs raw I/O: MB/s against file size (one KV cache group)"
 
 
 def plot_rows(points: list[dict], png: Path) -> str:
@@ -37,7 +37,7 @@ def plot_rows(points: list[dict], png: Path) -> str:
             )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("row size (bytes)")
+        ax.set_xlabel("file size (bytes): blocks_per_chunk x a group's row bytes")
         ax.set_ylabel("MB/s (median)")
         ax.set_title(TITLE)
         ax.legend()
@@ -83,7 +83,11 @@ def _pillow(points, png, Image, ImageDraw) -> str:
             else (f"{p['x'] >> 10} KiB" if p["x"] % 1024 == 0 else f"{p['x']} B")
         )
         d.text((x - 18, h - bottom + 8), label, fill="black")
-    d.text((w // 2 - 60, h - 25), "row size (log)", fill="black")
+    d.text(
+        (w // 2 - 160, h - 25),
+        "file size (log): blocks_per_chunk x a group's row bytes",
+        fill="black",
+    )
     d.text((10, top - 18), "MB/s, median (log)", fill="black")
     d.text((left + 120, 8), TITLE, fill="black")
     for i, (name, rgb) in enumerate(SERIES.items()):
