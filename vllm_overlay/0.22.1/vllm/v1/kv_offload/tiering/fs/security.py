@@ -216,8 +216,7 @@ def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierK
             fix = f"chmod {'640' if shared else '600'} {key_file}"
             if group_access and not shared and who == "its group":
                 who = (
-                    f"its group {st.st_gid}, which the engine's user is not a "
-                    "member of"
+                    f"its group {st.st_gid}, which the engine's user is not a member of"
                 )
                 fix = f"chgrp {os.getegid()} {key_file}, or chmod 600 {key_file}"
             raise ValueError(
