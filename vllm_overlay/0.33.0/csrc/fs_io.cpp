@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -64,10 +65,14 @@ inline bool is_complete_block(const char* path, size_t size) {
 // on success, or the errno of the failing step on failure -- captured
 // before any subsequent cleanup call can overwrite it. On failure, the temp
 // file is removed. Files are created with exactly `file_mode` (fchmod after
-// open, whatever the umask), directories with `dir_mode`.
+// open, whatever the umask), directories with `dir_mode`. With an
+// `xattr_name`, `xattr_value` is set on the temp file before the rename (the
+// block's MAC: the file appears with it).
 inline int _store_block(const char* tmp_path, const char* dest_path,
                         const char* src, size_t size, bool use_o_direct,
-                        mode_t file_mode, mode_t dir_mode) {
+                        mode_t file_mode, mode_t dir_mode,
+                        const char* xattr_name, const void* xattr_value,
+                        size_t xattr_size) {
   if (is_complete_block(dest_path, size)) {
     return 0;  // Already present. Anything else at the path is replaced.
   }
@@ -102,6 +107,14 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
   if (written < 0 || static_cast<size_t>(written) != size) {
     const int err = written < 0 ? errno : EIO;
     close(fd);  // Best-effort cleanup; the real error is already captured.
+    unlink(tmp_path);
+    return err;
+  }
+
+  if (xattr_name != nullptr &&
+      fsetxattr(fd, xattr_name, xattr_value, xattr_size, 0) != 0) {
+    const int err = errno;
+    close(fd);
     unlink(tmp_path);
     return err;
   }
@@ -275,6 +288,9 @@ static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
 /// @param file_mode    int – the mode of the block files (default 0o600).
 /// @param dir_mode     int – the mode of the directories created (default
 ///                     0o700). Both set exactly, whatever the umask.
+/// @param xattr_name   str | None – an extended attribute to set on each
+///                     block file before its rename (default None: none).
+/// @param xattr_values list[bytes-like] – its value per block.
 /// @note Releases the GIL for the entire batch. A failed block does not stop
 ///       the batch; if any failed, raises the first error.
 static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
@@ -284,10 +300,13 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   int use_o_direct = 1;
   unsigned int file_mode = 0600;
   unsigned int dir_mode = 0700;
+  const char* xattr_name = nullptr;
+  PyObject* xattr_values_obj = nullptr;
 
-  if (!PyArg_ParseTuple(args, "O!O!O!|pII", &PyList_Type, &tmp_paths_obj,
+  if (!PyArg_ParseTuple(args, "O!O!O!|pIIzO!", &PyList_Type, &tmp_paths_obj,
                         &PyList_Type, &dest_paths_obj, &PyList_Type,
-                        &buffers_obj, &use_o_direct, &file_mode, &dir_mode)) {
+                        &buffers_obj, &use_o_direct, &file_mode, &dir_mode,
+                        &xattr_name, &PyList_Type, &xattr_values_obj)) {
     return nullptr;
   }
 
@@ -296,6 +315,12 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(
         PyExc_ValueError,
         "tmp_paths, dest_paths and buffers must have the same length");
+    return nullptr;
+  }
+  if (xattr_name != nullptr &&
+      (xattr_values_obj == nullptr || PyList_Size(xattr_values_obj) != n)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "xattr_values must give a value for each block");
     return nullptr;
   }
 
@@ -309,6 +334,12 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   if (!extract_buffer_list(buffers_obj, n, PyBUF_SIMPLE, buffers)) {
     return nullptr;
   }
+  std::vector<Py_buffer> xattr_values(xattr_name != nullptr ? n : 0);
+  if (xattr_name != nullptr &&
+      !extract_buffer_list(xattr_values_obj, n, PyBUF_SIMPLE, xattr_values)) {
+    release_buffer_list(buffers);
+    return nullptr;
+  }
 
   // A failed block does not stop the batch: the others are still stored.
   Py_ssize_t failed_index = -1;
@@ -317,10 +348,14 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   {
     Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
       const char* buf = static_cast<const char*>(buffers[i].buf);
-      const int err = _store_block(tmp_paths[i], dest_paths[i], buf,
-                                   static_cast<size_t>(buffers[i].len),
-                                   use_o_direct, static_cast<mode_t>(file_mode),
-                                   static_cast<mode_t>(dir_mode));
+      const Py_buffer* xattr =
+          xattr_name != nullptr ? &xattr_values[i] : nullptr;
+      const int err = _store_block(
+          tmp_paths[i], dest_paths[i], buf, static_cast<size_t>(buffers[i].len),
+          use_o_direct, static_cast<mode_t>(file_mode),
+          static_cast<mode_t>(dir_mode), xattr_name,
+          xattr != nullptr ? xattr->buf : nullptr,
+          xattr != nullptr ? static_cast<size_t>(xattr->len) : 0);
       if (err != 0 && failed_index < 0) {
         failed_index = i;
         failure_errno = err;
@@ -330,6 +365,7 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   }
 
   release_buffer_list(buffers);
+  release_buffer_list(xattr_values);
 
   if (failed_index >= 0) {
     // PyErr_SetFromErrnoWithFilename() reads the errno to format exception.
@@ -442,7 +478,9 @@ static PyMethodDef fs_io_C_methods[] = {
      "                  buffers: list[bytes-like],\n"
      "                  use_o_direct: bool = True,\n"
      "                  file_mode: int = 0o600,\n"
-     "                  dir_mode: int = 0o700) -> None\n"
+     "                  dir_mode: int = 0o700,\n"
+     "                  xattr_name: str | None = None,\n"
+     "                  xattr_values: list[bytes-like] = ...) -> None\n"
      "\n"
      "Store a batch of blocks, each from its own buffer, to disk. A failed "
      "block does not stop the batch; if any failed, raises the first error."},

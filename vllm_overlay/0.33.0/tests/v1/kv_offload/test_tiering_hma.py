@@ -689,9 +689,20 @@ def test_cold_restart_promotes_and_loads_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+def _use_key_file(engine: "Engine", path) -> None:
+    """Give the engine's fs tier a key file (a new random key at *path*)."""
+    path.write_bytes(os.urandom(32))
+    os.chmod(path, 0o600)
+    kv_transfer_config = engine.vllm_config.kv_transfer_config
+    assert kv_transfer_config is not None
+    tiers = kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
+    tiers[0]["key_file"] = str(path)
+
+
 @pytest.mark.parametrize("layout", ["llama", "gemma3"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "key_file"])
 def test_requests_with_another_cache_salt_never_load_disk_blocks(
-    model_config, tmp_path, layout
+    model_config, tmp_path, layout, keyed
 ):
     """Tenants of one server share its disk tier; their requests carry a
     cache_salt, which is part of the first block's hash (and so of every
@@ -700,8 +711,12 @@ def test_requests_with_another_cache_salt_never_load_disk_blocks(
     through the real connector scheduler, and never by a request with the
     same prompt and another salt or none: no hit, no load job reaches the fs
     tier. The salt separates tenants of one server; the tier's file modes
-    separate other local users."""
+    separate other local users, and its key file (keyed) engines sharing a
+    store: with the same key a cold engine hits, with another key the
+    tenant's own request misses."""
     engine = Engine(model_config, layout, str(tmp_path / "fs"), 64)
+    if keyed:
+        _use_key_file(engine, tmp_path / "key")
     num_tokens = 4 * max(GPU_BLOCK_SIZES[layout]) + 5
 
     def request(req_id: str, cache_salt: str | None) -> Request:
@@ -747,6 +762,22 @@ def test_requests_with_another_cache_salt_never_load_disk_blocks(
         end_step(sched, {own.request_id: allocate(sched, own, num_hit_tokens)})
         own_keys = {k for g in group_keys(sched, own) for k in g}
         assert loaded and set(loaded) <= own_keys
+    finally:
+        sched.shutdown()
+    if not keyed:
+        return
+
+    _use_key_file(engine, tmp_path / "another-key")
+    sched = engine.connector_scheduler()  # cold, and another key
+    try:
+        again = request("a2", "tenant-a")
+        sched.on_new_request(again)
+        for _ in range(_COLD_SETTLE_STEPS):
+            num_hit_tokens, _ = sched.get_num_new_matched_tokens(again, 0)
+            if num_hit_tokens is not None:
+                break
+            end_step(sched)
+        assert num_hit_tokens == 0, "another key's engine hit the tenant's blocks"
     finally:
         sched.shutdown()
 

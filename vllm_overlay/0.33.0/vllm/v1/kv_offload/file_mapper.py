@@ -3,6 +3,7 @@
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
     canonical_format_id,
@@ -69,11 +70,17 @@ class FileMapper:
         parallel_agnostic: bool = False,
         replicated_layout: bool = False,
         canonical_format: str | None = None,
+        keyed_namespace: dict | None = None,
+        file_stem: Callable[[bytes], str] | None = None,
     ):
         """Initialize the file mapper. Each worker constructs its own, but
         `config.json` is shared across workers since rank lives outside the hash.
         When `parallel_agnostic=True`, tp/pp/pcp/dcp are forced to 1 and rank
         to 0 so multiple parallelism layouts collapse into the same folder.
+        A `keyed_namespace` (how its files are named and checked, never the
+        key) gives keyed files their own folder, apart from unkeyed ones;
+        `file_stem` maps a block hash to its files' name (default: its hex),
+        e.g. a keyed hash, so that names cannot be computed from the prefix.
         """
         if parallel_agnostic:
             tp_size = pp_size = pcp_size = dcp_size = 1
@@ -102,7 +109,10 @@ class FileMapper:
         # identity participates in the storage namespace.
         if canonical_format is not None:
             self.fields["canonical_format"] = canonical_format
+        if keyed_namespace is not None:
+            self.fields["keyed_namespace"] = keyed_namespace
         self.base_path: str = self._compute_base_path(root_dir, self.fields)
+        self._file_stem = file_stem
 
     @classmethod
     def from_offloading_spec(
@@ -111,6 +121,8 @@ class FileMapper:
         offloading_spec: OffloadingSpec,
         blocks_per_file: int = 1,
         parallel_agnostic: bool = False,
+        keyed_namespace: dict | None = None,
+        file_stem: Callable[[bytes], str] | None = None,
     ) -> "FileMapper":
         """Build a FileMapper from an OffloadingSpec."""
         config = offloading_spec.config
@@ -140,11 +152,17 @@ class FileMapper:
             parallel_agnostic=parallel_agnostic,
             replicated_layout=(parallel_agnostic and config.replicated_layout),
             canonical_format=canonical_format,
+            keyed_namespace=keyed_namespace,
+            file_stem=file_stem,
         )
 
     def get_file_name(self, key: OffloadKey) -> str:
         """Map an OffloadKey to <base>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash>.bin."""
-        hash_hex = get_offload_block_hash(key).hex()
+        block_hash = get_offload_block_hash(key)
+        if self._file_stem is None:
+            hash_hex = block_hash.hex()
+        else:
+            hash_hex = self._file_stem(block_hash)
         group_idx = get_offload_group_idx(key)
         subfolder1, subfolder2 = hash_hex[:3], hash_hex[3:5]
         return (
@@ -154,6 +172,12 @@ class FileMapper:
 
     def get_run_config(self) -> dict:
         return dict(self.fields)
+
+    def layout_id(self) -> str:
+        """The sha256 of the fields (what base_path's digest abbreviates) and
+        the rank: identifies the layout of this rank's files."""
+        canonical = json.dumps(self.fields, sort_keys=True, separators=(",", ":"))
+        return f"{hashlib.sha256(canonical.encode()).hexdigest()}_r{self.rank}"
 
     def get_config_file_path(self) -> str:
         return f"{self.base_path}/{_CONFIG_FILENAME}"

@@ -8,11 +8,16 @@ tier's directory outlives the process and is often shared, so
   start are reported;
 - a root that others can write, or that another user owns, is refused, and a
   symbolic link at a block's path is a miss, never read through;
+- with a key file, a shared store is a keyed namespace: file names cannot be
+  computed without the key, and a planted or altered block file fails its
+  MAC (a miss, counted); bad key files are refused before any thread
+  starts, and the key is never logged;
 
 Real files on disk throughout; the tier is driven as the tiering manager
 drives it (submit_store / submit_load / get_finished_jobs / lookup).
 """
 
+import errno
 import mmap
 import os
 import stat
@@ -464,3 +469,290 @@ def test_a_symlink_at_a_block_path_is_a_miss(tmp_path, io_path):
         assert target.read_bytes() == bytes([9]) * os.path.getsize(target)
     finally:
         tier.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# (3) keyed namespace: names and a MAC derived from a key file
+# ---------------------------------------------------------------------------
+
+
+def key_file(path, secret: bytes | None = None, mode: int = 0o600) -> str:
+    path.write_bytes(os.urandom(32) if secret is None else secret)
+    os.chmod(path, mode)
+    return str(path)
+
+
+def lookup_again(tier: FileSystemTierManager, k: OffloadKey) -> LookupResult:
+    """lookup() after forgetting the verdicts the request cached."""
+    tier.on_request_finished(_CTX)
+    return lookup(tier, k)
+
+
+def _failure_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "failed since" in r.getMessage()]
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["key_file", "no_key"])
+def test_a_planted_block_for_a_known_prefix(tmp_path, caplog_vllm, io_path, keyed):
+    """Block hashes are deterministic (so that a restart hits), so anyone who
+    can write to a shared store can compute the file name of a known prefix
+    (a public system prompt) and plant a block file of the right size there.
+
+    Without a key (documents today's behaviour) the tier serves it as that
+    prefix's KV. With a key, the planted file at the computable name is
+    never looked at; and one planted at the keyed name (right size, by an
+    insider who can list the store, with a made-up MAC attribute) fails the
+    MAC on load: a miss, the file removed, and counted in the tier's
+    failure report."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
+    root = tmp_path / "kv"
+    kv = rows(4)
+    prefix = key(7)
+    evil = bytes([0xEE]) * kv.shape[1]
+    tier = make_tier(root, kv, **config)
+    try:
+        # the attacker: the prefix's name as anyone computes it, without a key
+        unkeyed = FileMapper.from_offloading_spec(
+            root_dir=str(root), offloading_spec=_spec(), parallel_agnostic=True
+        ).get_file_name(prefix)
+        os.makedirs(os.path.dirname(unkeyed), exist_ok=True)
+        with open(unkeyed, "wb") as f:
+            f.write(evil)
+        planted = unkeyed
+        if keyed:
+            from vllm.v1.kv_offload.tiering.fs.io import MAC_XATTR
+
+            assert tier.file_mapper.get_file_name(prefix) != unkeyed
+            assert lookup(tier, prefix) is LookupResult.MISS
+            # an insider who knows the keyed name still cannot forge the MAC
+            planted = tier.file_mapper.get_file_name(prefix)
+            os.makedirs(os.path.dirname(planted), exist_ok=True)
+            with open(planted, "wb") as f:
+                f.write(evil)
+                os.setxattr(f.fileno(), MAC_XATTR, os.urandom(32))
+        assert lookup_again(tier, prefix) is LookupResult.HIT
+        caplog_vllm.clear()
+        tier.submit_load(job(1, [prefix], [0], load=True))
+        (loaded,) = finish(tier)
+        if not keyed:
+            assert loaded and (kv[0] == 0xEE).all(), (
+                "today a planted file is served as the prefix's KV"
+            )
+            return
+        assert not loaded, "served a planted block file as the prefix's KV"
+        assert not os.path.exists(planted)
+        assert lookup_again(tier, prefix) is LookupResult.MISS
+        (line,) = _failure_lines(caplog_vllm)
+        assert "0 store job(s) and 1 load job(s) failed" in line
+        assert "; 1 block(s) failed the integrity check (damaged or planted " in line
+        assert "hmac-sha256 MAC mismatch: not written with the tier's key" in line
+    finally:
+        tier.shutdown()
+
+
+def test_an_altered_block_or_one_without_a_mac_is_a_miss(tmp_path, io_path):
+    """A block file whose bytes changed at the same size, or whose MAC
+    attribute was removed (a copy without xattrs), fails its load and is
+    removed; the other blocks of the same load are kept."""
+    from vllm.v1.kv_offload.tiering.fs.io import MAC_XATTR
+
+    kv = rows(6)
+    kv[0], kv[1], kv[2] = 1, 2, 3
+    keys = [key(1), key(2), key(3)]
+    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    try:
+        tier.submit_store(job(1, keys, [0, 1, 2]))
+        assert finish(tier) == [True]
+        altered, stripped, intact = (tier.file_mapper.get_file_name(k) for k in keys)
+        with open(altered, "r+b") as f:
+            f.seek(100)
+            f.write(b"x")
+        os.removexattr(stripped, MAC_XATTR)
+
+        tier.submit_load(job(2, keys, [3, 4, 5], load=True))
+        tier.drain_jobs()
+        (result,) = tier.get_finished_jobs()
+        assert not result.success
+        assert result.successful_keys == (keys[2],)
+        assert (kv[5] == 3).all()
+        assert not os.path.exists(altered) and not os.path.exists(stripped)
+        assert os.path.exists(intact)
+    finally:
+        tier.shutdown()
+
+
+def test_a_planted_block_that_cannot_be_removed_is_a_miss(
+    tmp_path, io_path, monkeypatch
+):
+    """A block file that fails its MAC but cannot be removed (a read-only
+    mount) is answered as a miss from then on, so that no request promotes
+    it again and again."""
+    kv = rows(4)
+    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    try:
+        planted = tier.file_mapper.get_file_name(key(7))
+        os.makedirs(os.path.dirname(planted))
+        with open(planted, "wb") as f:
+            f.write(bytes(kv.shape[1]))
+        monkeypatch.setattr(io_mod, "_remove_corrupt_file", lambda path: None)
+        assert lookup(tier, key(7)) is LookupResult.HIT
+        tier.submit_load(job(1, [key(7)], [0], load=True))
+        assert finish(tier) == [False]
+        assert os.path.exists(planted)
+        tier.on_request_finished(_CTX)
+        # answered at once, without looking at the file again
+        assert tier.lookup(key(7), _CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
+    """Engines sharing a root and a key file share blocks across a restart;
+    an engine with another key (another namespace) neither finds them nor
+    loads them, and a keyed store never reuses unkeyed files."""
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+
+    root = tmp_path / "kv"
+    same = key_file(tmp_path / "key")
+    other = key_file(tmp_path / "other-key")
+    kv = rows(4)
+    kv[0], kv[1] = 3, 4
+    keys = [key(1), key(2, group=1)]
+    writer = make_tier(root, kv, key_file=same)
+    try:
+        writer.submit_store(job(1, keys, [0, 1]))
+        assert finish(writer) == [True]
+        names = [writer.file_mapper.get_file_name(k) for k in keys]
+    finally:
+        writer.shutdown()
+    for k, name in zip(keys, names):
+        assert get_offload_block_hash(k).hex() not in name
+
+    kv[:] = 0
+    restarted = make_tier(root, kv, key_file=same)
+    try:
+        assert [lookup(restarted, k) for k in keys] == [LookupResult.HIT] * 2
+        restarted.submit_load(job(2, keys, [2, 3], load=True))
+        assert finish(restarted) == [True]
+        assert (kv[2] == 3).all() and (kv[3] == 4).all()
+    finally:
+        restarted.shutdown()
+
+    for config in ({"key_file": other}, {}):
+        stranger = make_tier(root, kv, **config)
+        try:
+            assert [lookup(stranger, k) for k in keys] == [LookupResult.MISS] * 2
+        finally:
+            stranger.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("31 bytes", "is too short (31 bytes, at least 32 needed)"),
+        ("4097 bytes", "is longer than 4096 bytes"),
+        ("readable by others", "is accessible by others (mode 0644)"),
+        ("readable by its group", "is accessible by its group (mode 0640)"),
+        ("a directory", "is not a regular file"),
+        ("inline secret", "must be the absolute path of a file holding the key"),
+    ],
+)
+def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refusal):
+    """A key file that is missing, empty, shorter than 32 or longer than 4096
+    bytes, readable by others (or by the group without group_access) or not
+    a file is refused with a ValueError naming the path and the fix, before
+    any thread starts and without the key's bytes in the message."""
+    path = tmp_path / "key"
+    secret = b"s3cr3t-" * 8
+    if case == "empty":
+        key_file(path, b"")
+    elif case == "31 bytes":
+        key_file(path, secret[:31])
+    elif case == "4097 bytes":
+        key_file(path, (secret * 80)[:4097])
+    elif case == "readable by others":
+        key_file(path, secret, 0o644)
+    elif case == "readable by its group":
+        key_file(path, secret, 0o640)
+    elif case == "a directory":
+        path.mkdir()
+    value = secret.decode() if case == "inline secret" else str(path)
+    message = _refused(tmp_path / "kv", key_file=value)
+    assert refusal in message
+    assert "s3cr3t" not in message
+    if case != "inline secret":
+        assert f"key_file {str(path)!r} of the 'fs' tier" in message
+        assert "chmod 6" in message or "head -c 32 /dev/urandom" in message
+
+
+def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):
+    path = key_file(tmp_path / "key", mode=0o640)
+    make_tier(tmp_path / "kv", rows(2), key_file=path, group_access=True).shutdown()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chgrp to a foreign group needs root")
+def test_a_key_file_readable_by_a_stranger_group_is_refused(tmp_path):
+    """With group_access, a key file may be readable by the engine's own
+    group only: another group's members could plant blocks that load."""
+    path = key_file(tmp_path / "key", mode=0o640)
+    gid = _a_stranger_group()
+    os.chown(path, -1, gid)
+    message = _refused(tmp_path / "kv", key_file=path, group_access=True)
+    assert f"is accessible by its group {gid}, which the engine's user" in message
+    assert f"Fix: chgrp {os.getegid()} {path}, or chmod 600 {path}" in message
+
+
+def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
+    """Each block's MAC lives in an extended attribute: a root whose
+    filesystem has none is refused at start with the fix, before any thread
+    starts, rather than failing every store."""
+
+    def no_xattrs(*args, **kwargs):
+        raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
+
+    monkeypatch.setattr(os, "setxattr", no_xattrs)
+    threads = set(threading.enumerate())
+    with pytest.raises(ValueError) as refused:
+        make_tier(tmp_path / "kv", rows(2), key_file=key_file(tmp_path / "key"))
+    assert set(threading.enumerate()) <= threads, "refused after starting threads"
+    message = str(refused.value)
+    assert "key_file of the 'fs' tier needs user extended attributes" in message
+    assert "Fix: use a root_dir on a filesystem with user xattrs" in message
+
+
+def test_the_key_is_never_logged_or_written(tmp_path, caplog_vllm):
+    """Neither the key nor the keys derived from it appear in the logs (of a
+    start, a store, a load, a failed load and a shutdown), in config.json,
+    or in the repr of the tier's objects."""
+    import logging
+
+    from vllm.v1.kv_offload.tiering.fs.security import _hkdf_sha256
+
+    secret = os.urandom(48)
+    path = key_file(tmp_path / "key", secret)
+    derived = [_hkdf_sha256(secret, info) for info in (b"file names", b"block MAC")]
+    kv = rows(4)
+    caplog_vllm.set_level(logging.DEBUG)
+    tier = make_tier(tmp_path / "kv", kv, key_file=path)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert finish(tier) == [True]
+        block = tier.file_mapper.get_file_name(key(1))
+        with open(block, "r+b") as f:
+            f.write(b"x")
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        assert finish(tier) == [False]
+        texts = [repr(tier._mac), repr(tier.file_mapper.__dict__)]
+    finally:
+        tier.shutdown()
+    with open(tier.file_mapper.get_config_file_path()) as f:
+        texts.append(f.read())
+    texts += [r.getMessage() for r in caplog_vllm.records]
+    assert any("MAC mismatch" in t for t in texts)
+    for value in [secret, *derived]:
+        for form in (value.hex(), repr(value), value.hex()[:16]):
+            assert not [t for t in texts if form in t], "the key was logged"

@@ -29,6 +29,18 @@ Trust (see fs/security.py):
     and the fix. Block files are opened with O_NOFOLLOW and looked up with
     lstat: a symbolic link at a block's path is a miss, never read through;
     a store replaces it with the block.
+
+Keyed namespace (the tier config's "key_file", off by default):
+    For a store shared by several engines (NFS, a PVC): with a key read from
+    a private file (fs/security.py), block files are named by a keyed hash
+    of the block hash and carry an HMAC-SHA256 of the block's identity
+    (layout and key) and bytes in an extended attribute (fs/io.py BlockMac),
+    checked on load. Without the key nobody can compute where a prefix's
+    block lives, test whether it is cached, or plant a file that loads: a
+    planted or altered file is a miss, removed, and counted in the
+    rate-limited failure report. Engines sharing a root share the key file;
+    another key is another namespace. The root must support user extended
+    attributes (checked at start).
 """
 
 import functools
@@ -71,15 +83,17 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.kv_offload.tiering.fs.io import (
     GROUP_MODES,
     PRIVATE_MODES,
+    BlockMac,
     batch_load_block,
     batch_store_block,
     holds_no_block,
     is_block_path,
     make_dirs,
     probe_o_direct,
+    probe_xattr,
     scan_tier_files,
 )
-from vllm.v1.kv_offload.tiering.fs.security import check_root_dir
+from vllm.v1.kv_offload.tiering.fs.security import check_root_dir, load_key_file
 from vllm.v1.kv_offload.tiering.fs.thread_pool import (
     FAILURE_REPORT_INTERVAL_S,
     DualQueueThreadPool,
@@ -152,6 +166,7 @@ class FileSystemTierManager(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         cleanup_stale_tmp_after_seconds: float | None = 3600.0,
         group_access: bool = False,
+        key_file: str | None = None,
     ):
         """Args:
         offloading_spec: Contains normalized offloading configuration and
@@ -173,6 +188,12 @@ class FileSystemTierManager(SecondaryTierManager):
         group_access: create files 0640 and directories 2770 (the group's
             engines read blocks and store into each other's directories)
             instead of 0600 and 0700.
+        key_file: path of a private file holding a secret of at least 32
+            bytes (never the secret itself): a keyed namespace for a shared
+            root. File names become a keyed hash of the block hash, and each
+            block file carries an HMAC-SHA256 of the block's identity and
+            bytes, checked on load (a mismatch is a miss). Engines sharing a
+            root share the key file; another key is another namespace.
 
         """
         if cleanup_stale_tmp_after_seconds is not None and (
@@ -192,6 +213,11 @@ class FileSystemTierManager(SecondaryTierManager):
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
         root_dir = check_root_dir(root_dir, tier_type, group_access)
+        tier_key = (
+            load_key_file(key_file, tier_type, group_access)
+            if key_file is not None
+            else None
+        )
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
@@ -248,7 +274,17 @@ class FileSystemTierManager(SecondaryTierManager):
             offloading_spec=offloading_spec,
             blocks_per_file=offloading_spec.blocks_per_chunk,
             parallel_agnostic=True,
+            # keyed files live apart from unkeyed ones; the key is not named
+            keyed_namespace=(
+                {"file_names": "keyed-blake2b-128", "mac": "hmac-sha256-xattr"}
+                if tier_key is not None
+                else None
+            ),
+            file_stem=tier_key.file_stem if tier_key is not None else None,
         )
+        self._mac: BlockMac | None = None
+        if tier_key is not None:
+            self._mac = BlockMac(tier_key.mac_key, self.file_mapper.layout_id())
 
         # Write config file
         config_path = self.file_mapper.get_config_file_path()
@@ -276,6 +312,18 @@ class FileSystemTierManager(SecondaryTierManager):
                 tier_type,
                 REPROBE_INTERVAL_S,
             )
+        if self._mac is not None:
+            try:
+                probe_xattr(self._o_direct_dir)
+            except OSError as e:
+                raise ValueError(
+                    f"key_file of the '{tier_type}' tier needs user extended "
+                    f"attributes at root_dir {root_dir!r} (each block's MAC is "
+                    f"kept in one), but the filesystem refused one ({e.strerror})."
+                    " Fix: use a root_dir on a filesystem with user xattrs "
+                    "(ext4, xfs, btrfs, tmpfs on Linux >= 6.6, NFS 4.2), or "
+                    "remove key_file"
+                ) from None
         if not self._use_o_direct and self._reprobe_at is None:
             logger.warning(
                 "O_DIRECT is not supported at '%s'; falling back to buffered "
@@ -463,6 +511,8 @@ class FileSystemTierManager(SecondaryTierManager):
             self._block_size,
             self._use_o_direct,
             self._modes,
+            self._mac,
+            keys,
         )
         self._job_block_counts[job_metadata.job_id] = len(keys)
         store = functools.partial(self._store_and_keep_config, task)
@@ -491,6 +541,8 @@ class FileSystemTierManager(SecondaryTierManager):
                     offsets,
                     self._block_size,
                     self._use_o_direct,
+                    self._mac,
+                    keys,
                 )
             except OSError as exc:
                 # Runs on the pool worker thread. Record which blocks failed so
@@ -501,12 +553,16 @@ class FileSystemTierManager(SecondaryTierManager):
                 failed_indices = getattr(exc, "failed_indices", None)
                 if failed_indices is not None:
                     self._load_failures[job_id] = list(failed_indices)
+                # A planted file that failed its MAC and could not be removed
+                # (a read-only mount) is unloadable too.
+                integrity_failed = getattr(exc, "integrity_failed", ())
                 self._load_unloadable[job_id] = [
                     i
                     for i in (
                         range(len(paths)) if failed_indices is None else failed_indices
                     )
                     if holds_no_block(paths[i], self._block_size)
+                    or (i in integrity_failed and os.path.lexists(paths[i]))
                 ]
                 # Surfaces errno (e.g. EMFILE "Too many open files") for both
                 # the C and Python load paths.

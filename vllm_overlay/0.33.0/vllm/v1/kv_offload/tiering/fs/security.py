@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Start-up checks of what the fs tier trusts: its root directory.
+"""Start-up checks of what the fs tier trusts: its root directory and its
+key.
 
 The tier's files are users' KV blocks, served to every request that shares
 their prefix. Whoever can write into the root (or rename one of its
@@ -27,8 +28,22 @@ A root that does not exist yet is checked from its nearest existing parent
 resolved first, and the resolved root is returned: the tier uses that
 path, so the directories checked are the ones it uses, even if a link in
 root_dir's path is repointed later.
+
+The key (the tier config's "key_file", optional) makes a shared root a
+keyed namespace: engines with the same key share blocks, others - and
+anyone with write access to the store but not the key - cannot compute
+where a prefix's block lives, test whether it is cached, or plant one that
+loads. It is read from a file (never inline in the config or the command
+line, which ps and the logs show) that must be private: owned by the
+engine's user or root, not readable by others (nor by the group unless
+group_access and the engine's user is in that group), and at least
+MIN_KEY_BYTES long. Two keys are derived from
+it (HKDF-SHA256, RFC 5869): one names the files, one MACs the blocks. The
+key and what is derived from it are never logged or written anywhere.
 """
 
+import hashlib
+import hmac
 import os
 import pwd
 import stat
@@ -129,3 +144,102 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
         if parent == path:
             return root
         path = parent
+
+
+MIN_KEY_BYTES = 32
+MAX_KEY_BYTES = 4096
+
+_KEY_FIX = (
+    "create it with `head -c 32 /dev/urandom > {path} && chmod 600 {path}` "
+    "and give every engine that shares root_dir the same file"
+)
+
+
+def _hkdf_sha256(secret: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) with a fixed salt: one 32-byte output."""
+    prk = hmac.digest(b"vllm fs tier key v1", secret, "sha256")
+    return hmac.digest(prk, info + b"\x01", "sha256")
+
+
+class TierKey:
+    """The two keys derived from the tier's key file: file names and the
+    blocks' MAC. Its repr never shows them."""
+
+    __slots__ = ("_name_key", "mac_key")
+
+    def __init__(self, secret: bytes) -> None:
+        self._name_key = _hkdf_sha256(secret, b"file names")
+        self.mac_key = _hkdf_sha256(secret, b"block MAC")
+
+    def file_stem(self, block_hash: bytes) -> str:
+        """The keyed name of a block hash's files: without the key, nobody
+        can compute where a prefix's block lives or test whether it exists.
+        Keyed BLAKE2b: about a third of HMAC-SHA256's cost on a 32-byte
+        input (this runs on the scheduler's thread, once per lookup)."""
+        return hashlib.blake2b(
+            block_hash, key=self._name_key, digest_size=16
+        ).hexdigest()
+
+    def __repr__(self) -> str:
+        return "TierKey(<redacted>)"
+
+
+def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierKey:
+    """Read and check the tier's key file; ValueError naming the path and
+    the fix if it is missing, not a regular file, not private, empty, too
+    short or too long. The message never holds the key's bytes."""
+    if not isinstance(key_file, str) or not os.path.isabs(key_file):
+        # not echoed: it may be the key itself, given inline by mistake
+        raise ValueError(
+            f"key_file of the '{tier_type}' tier must be the absolute path of "
+            "a file holding the key (never the key itself, which ps and the "
+            "logs would show)"
+        )
+    prefix = f"key_file {key_file!r} of the '{tier_type}' tier"
+    fix = _KEY_FIX.format(path=key_file)
+    try:
+        fd = os.open(key_file, os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise ValueError(f"{prefix} does not exist: {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{prefix} cannot be read ({e.strerror}): {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{prefix} is not a regular file: {fix}")
+        mode = stat.S_IMODE(st.st_mode)
+        shared = group_access and st.st_gid in _engine_groups()
+        allowed = 0o740 if shared else 0o700
+        if mode & ~allowed & 0o077:
+            who = "others" if mode & 0o007 else "its group"
+            fix = f"chmod {'640' if shared else '600'} {key_file}"
+            if group_access and not shared and who == "its group":
+                who = (
+                    f"its group {st.st_gid}, which the engine's user is not a member of"
+                )
+                fix = f"chgrp {os.getegid()} {key_file}, or chmod 600 {key_file}"
+            raise ValueError(
+                f"{prefix} is accessible by {who} (mode {mode:04o}): anyone "
+                f"who reads it can plant blocks that load. Fix: {fix}"
+            )
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(
+                f"{prefix} is owned by another user (uid "
+                f"{_owner_name(st.st_uid)}): chown it to uid {os.geteuid()}"
+            )
+        secret = os.read(fd, MAX_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not secret:
+        raise ValueError(f"{prefix} is empty: {fix}")
+    if len(secret) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"{prefix} is too short ({len(secret)} bytes, at least "
+            f"{MIN_KEY_BYTES} needed): {fix}"
+        )
+    if len(secret) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"{prefix} is longer than {MAX_KEY_BYTES} bytes (is it the "
+            f"right file?): {fix}"
+        )
+    return TierKey(secret)

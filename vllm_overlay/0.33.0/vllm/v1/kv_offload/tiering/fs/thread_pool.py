@@ -30,12 +30,15 @@ class _FailureReport:
         self._label = label
         self._lock = threading.Lock()
         self._failed = {"store": 0, "load": 0}
+        # blocks that failed their MAC (damaged or planted files)
+        self._integrity = 0
         self._last_error: Exception | None = None
         self._next_report = float("-inf")
 
     def record(self, kind: str, error: Exception) -> None:
         with self._lock:
             self._failed[kind] += 1
+            self._integrity += len(getattr(error, "integrity_failed", ()))
             self._last_error = error
             line = self._take_line(force=False)
         if line is not None:
@@ -58,16 +61,24 @@ class _FailureReport:
         ):
             return None
         self._next_report = now + FAILURE_REPORT_INTERVAL_S
+        integrity = (
+            f"; {self._integrity} block(s) failed the integrity check (damaged "
+            "or planted files)"
+            if self._integrity
+            else ""
+        )
         line = (
             "%s: %d store job(s) and %d load job(s) failed since the previous "
             "report (the blocks of failed stores are not stored, those that "
-            "failed to load are recomputed); last error: %s",
+            "failed to load are recomputed)%s; last error: %s",
             self._label,
             self._failed["store"],
             self._failed["load"],
+            integrity,
             self._last_error,
         )
         self._failed = {"store": 0, "load": 0}
+        self._integrity = 0
         return line
 
 
