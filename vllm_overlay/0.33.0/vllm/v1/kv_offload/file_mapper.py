@@ -163,7 +163,11 @@ class FileMapper:
             hash_hex = block_hash.hex()
         else:
             hash_hex = self._file_stem(block_hash)
-        group_idx = get_offload_group_idx(key)
+        return self.get_stem_file_name(hash_hex, get_offload_group_idx(key))
+
+    def get_stem_file_name(self, hash_hex: str, group_idx: int) -> str:
+        """The file of a file-name stem (what get_file_name() names a block
+        hash's files by) and a group, e.g. for a file found on disk."""
         subfolder1, subfolder2 = hash_hex[:3], hash_hex[3:5]
         return (
             f"{self.base_path}_r{self.rank}"

@@ -40,9 +40,13 @@ O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
 
-# The temp files this module writes: a block's (<hash_hex>.bin_<n>.tmp) and the
-# O_DIRECT and xattr probes' (.o_direct_probe_<n>.tmp), see _get_tmp_suffix().
-_TMP_NAME_RE = re.compile(r"(?:\.bin|\.o_direct_probe|\.xattr_probe)_[0-9]+\.tmp$")
+# The tier's temp files, see _get_tmp_suffix(): a block's
+# (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
+# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp) and the budget journal's
+# compaction (budget.journal_<n>.tmp).
+_TMP_NAME_RE = re.compile(
+    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^budget\.journal)_[0-9]+\.tmp$"
+)
 
 
 def _get_tmp_suffix() -> str:
@@ -167,6 +171,27 @@ def probe_xattr(directory: str) -> None:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
+    """Write *data* to *path* through a temp file renamed into place, with
+    modes.file; several engines may write the same file at once."""
+    tmp_path = path + _get_tmp_suffix()
+    try:
+        fd = os.open(
+            tmp_path,
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW,
+            modes.file,
+        )
+        try:
+            os.fchmod(fd, modes.file)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp_path, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp_path)
 
 
 @dataclass

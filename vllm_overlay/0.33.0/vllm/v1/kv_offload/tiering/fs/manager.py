@@ -41,15 +41,24 @@ Keyed namespace (the tier config's "key_file", off by default):
     rate-limited failure report. Engines sharing a root share the key file;
     another key is another namespace. The root must support user extended
     attributes (checked at start).
+
+Budget (the tier config's "max_bytes", unbounded by default):
+    The tier's files never exceed max_bytes by more than one store job: a
+    store evicts first, whole chunks (every group's file) of the least
+    recently used prefix tails, never a chunk with a transfer in flight; a
+    store that cannot fit fails for the keys that do not. Existing files are
+    indexed at start, in the background. See budget.py.
 """
 
+import contextlib
+import errno
 import functools
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 try:
     from vllm.fs_io_C import batch_lookup as batch_lookup_C
@@ -60,12 +69,18 @@ except ImportError:
 
 from typing_extensions import override
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
 )
@@ -80,6 +95,12 @@ from vllm.v1.kv_offload.tiering.base import (
     SecondaryTierManager,
     TransferJob,
 )
+from vllm.v1.kv_offload.tiering.fs.budget import (
+    Evicted,
+    FsTierBudget,
+    JobTicket,
+    validate_max_bytes,
+)
 from vllm.v1.kv_offload.tiering.fs.io import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -93,7 +114,11 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     probe_xattr,
     scan_tier_files,
 )
-from vllm.v1.kv_offload.tiering.fs.security import check_root_dir, load_key_file
+from vllm.v1.kv_offload.tiering.fs.security import (
+    TierKey,
+    check_root_dir,
+    load_key_file,
+)
 from vllm.v1.kv_offload.tiering.fs.thread_pool import (
     FAILURE_REPORT_INTERVAL_S,
     DualQueueThreadPool,
@@ -107,6 +132,12 @@ logger = init_logger(__name__)
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again after the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
+
+# The budget's metrics (see get_stats()), labeled by tier type.
+BUDGET_USED_BYTES = "vllm:kv_offload_fs_budget_used_bytes"
+BUDGET_MAX_BYTES = "vllm:kv_offload_fs_budget_max_bytes"
+BUDGET_EVICTED_FILES = "vllm:kv_offload_fs_budget_evicted_files"
+BUDGET_REJECTED_FILES = "vllm:kv_offload_fs_budget_rejected_files"
 
 
 class FsAsyncLookupManager(AsyncLookupManager):
@@ -167,6 +198,7 @@ class FileSystemTierManager(SecondaryTierManager):
         cleanup_stale_tmp_after_seconds: float | None = 3600.0,
         group_access: bool = False,
         key_file: str | None = None,
+        max_bytes: int | None = None,
     ):
         """Args:
         offloading_spec: Contains normalized offloading configuration and
@@ -194,6 +226,9 @@ class FileSystemTierManager(SecondaryTierManager):
             block file carries an HMAC-SHA256 of the block's identity and
             bytes, checked on load (a mismatch is a miss). Engines sharing a
             root share the key file; another key is another namespace.
+        max_bytes: the most bytes this tier's files may take on disk (at
+            least one chunk of every KV cache group); None: no limit.
+            Engines sharing root_dir each keep their own budget.
 
         """
         if cleanup_stale_tmp_after_seconds is not None and (
@@ -267,6 +302,10 @@ class FileSystemTierManager(SecondaryTierManager):
             "primary_kv_view.strides cannot be None"
         )
         self._block_size: int = primary_kv_view.strides[0]
+        num_groups = len(offloading_spec.config.groups)
+        self._max_bytes = validate_max_bytes(
+            max_bytes, max(1, num_groups) * self._block_size, tier_type
+        )
 
         # Opt in; FileMapper enables it only for a parallelism-invariant block.
         self.file_mapper = FileMapper.from_offloading_spec(
@@ -360,6 +399,77 @@ class FileSystemTierManager(SecondaryTierManager):
             daemon=True,
         )
         self._tmp_cleanup.start()
+
+        # what each job holds of the budget (see FsTierBudget.finish_job()),
+        # and the keys a failed store job left without a file
+        self._budget_tickets: dict[JobId, JobTicket] = {}
+        self._budget_failed: dict[JobId, list[OffloadKey]] = {}
+        self._budget_reported = (0, 0)  # evicted, rejected files in get_stats()
+        self._budget: FsTierBudget | None = None
+        if self._max_bytes is not None:
+            self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
+
+    def _start_budget(
+        self,
+        offloading_spec: "OffloadingSpec",
+        root_dir: str,
+        tier_key: TierKey | None,
+    ) -> FsTierBudget:
+        assert self._max_bytes is not None
+        chunk_id: Callable[[bytes], bytes] | None = None
+        if tier_key is not None:
+            file_stem = tier_key.file_stem
+
+            def chunk_id(block_hash: bytes) -> bytes:
+                # keyed files: the budget indexes chunks by their file names
+                return bytes.fromhex(file_stem(block_hash))
+
+        budget = FsTierBudget(
+            self._max_bytes,
+            self._block_size,
+            f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
+            self.file_mapper.get_file_name,
+            lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
+            f"'{self.tier_type}' KV offload tier at {root_dir}",
+            chunk_tokens={
+                group.group_id: group.tokens_per_block
+                * offloading_spec.blocks_per_chunk
+                for group in offloading_spec.config.groups
+            },
+            prefix_groups=[
+                group.group_id
+                for group in offloading_spec.config.groups
+                # what the connector looks up as a prefix (full attention)
+                if group.sliding_window_size_in_chunks is None
+                and not (group.block_layout and group.block_layout.kind == "mamba")
+            ]
+            or None,
+            modes=self._modes,
+            chunk_id=chunk_id,
+        )
+        logger.info(
+            "'%s' KV offload tier at %s: max_bytes=%d (%d block files of %d "
+            "bytes); indexing the files of earlier runs in the background",
+            self.tier_type,
+            root_dir,
+            self._max_bytes,
+            self._max_bytes // self._block_size,
+            self._block_size,
+        )
+        with contextlib.suppress(OSError):
+            st = os.statvfs(root_dir)
+            free = st.f_bavail * st.f_frsize
+            if self._max_bytes > free:
+                logger.warning(
+                    "'%s' KV offload tier at %s: max_bytes=%d is more than the "
+                    "free space of its filesystem (%d bytes): stores will fail "
+                    "once the disk is full",
+                    self.tier_type,
+                    root_dir,
+                    self._max_bytes,
+                    free,
+                )
+        return budget
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of the directory's block files)
@@ -489,31 +599,121 @@ class FileSystemTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._unloadable:
             return LookupResult.MISS
+        if self._budget is not None and self._budget.is_removing(key):
+            return LookupResult.MISS  # evicted: its file is about to be removed
         result = self._lookup_manager.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
+        if result and self._budget is not None:
+            # kept until the promotion the tiering manager submits for it
+            self._budget.on_hit(key, req_context)
         return LookupResult.HIT if result else LookupResult.MISS
+
+    def _admit_store(
+        self, job_metadata: TransferJob
+    ) -> tuple[list[OffloadKey], Iterable[int], Evicted, int]:
+        """Reserve the job's bytes in the budget (evicting first). Returns
+        the keys to write and their chunk ids, the evicted chunks (their
+        files removed before the write) and the number of keys that did not
+        fit."""
+        assert self._budget is not None
+        keys = list(job_metadata.keys)
+        rejected, unreachable, evicted, ticket = self._budget.admit_store(
+            keys, job_metadata.req_context
+        )
+        self._budget_tickets[job_metadata.job_id] = ticket
+        if evicted:
+            evicted_keys = self._budget.evicted_keys(evicted)
+            # cached lookup verdicts of the evicted chunks' keys: misses now
+            self._lookup_manager.mark_miss(evicted_keys)
+            if self.events is not None and evicted_keys:
+                self.events.append(
+                    OffloadingEvent(
+                        keys=evicted_keys,
+                        medium=self.medium,
+                        removed=True,
+                        locality=self.locality,
+                    )
+                )
+        chunk_ids: Iterable[int] = job_metadata.chunk_ids
+        if rejected or unreachable:
+            kept = [
+                i
+                for i, key in enumerate(keys)
+                if key not in rejected and key not in unreachable
+            ]
+            keys = [keys[i] for i in kept]
+            chunk_ids = [int(job_metadata.chunk_ids[i]) for i in kept]
+        return keys, chunk_ids, evicted, len(rejected)
+
+    def _store_within_budget(
+        self,
+        job_id: JobId,
+        evicted: Evicted,
+        keys: list[OffloadKey],
+        paths: list[str],
+        rejected: int,
+        store: Callable[[], None],
+    ) -> None:
+        """A budgeted store task (on an I/O thread): remove the evicted
+        chunks' files, write the admitted blocks, then fail the job if some
+        did not fit (the failure report counts it)."""
+        assert self._budget is not None
+        if evicted:
+            self._budget.remove_evicted(evicted)
+        try:
+            if paths:
+                store()
+        except OSError:
+            # the budget forgets the files that are not there
+            self._budget_failed[job_id] = [
+                k for k, p in zip(keys, paths) if not is_block_path(p)
+            ]
+            raise
+        if rejected:
+            raise OSError(
+                errno.ENOSPC,
+                f"{rejected} block(s) not stored: no room in "
+                f"max_bytes={self._max_bytes}, every indexed block file is in "
+                "use by a transfer",
+            )
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
+        chunk_ids: Iterable[int] = job_metadata.chunk_ids
+        evicted: Evicted = []
+        rejected = 0
+        if self._budget is not None:
+            keys, chunk_ids, evicted, rejected = self._admit_store(job_metadata)
         if self.events is not None:
             self._store_job_keys[job_metadata.job_id] = keys
         if self._unloadable:
             unloadable = [key for key in keys if key in self._unloadable]
             if unloadable:
                 self._store_job_unloadable[job_metadata.job_id] = unloadable
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
         task = functools.partial(
             batch_store_block,
-            [self.file_mapper.get_file_name(key) for key in keys],
+            paths,
             self._primary_kv_view,
-            [int(cid) * self._block_size for cid in job_metadata.chunk_ids],
+            [int(cid) * self._block_size for cid in chunk_ids],
             self._block_size,
             self._use_o_direct,
             self._modes,
             self._mac,
             keys,
         )
+        if self._budget is not None:
+            task = functools.partial(
+                self._store_within_budget,
+                job_metadata.job_id,
+                evicted,
+                keys,
+                paths,
+                rejected,
+                task,
+            )
         self._job_block_counts[job_metadata.job_id] = len(keys)
         store = functools.partial(self._store_and_keep_config, task)
         if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
@@ -530,6 +730,8 @@ class FileSystemTierManager(SecondaryTierManager):
         keys = list(job_metadata.keys)
         self._load_job_keys[job_id] = keys
         self._job_block_counts[job_id] = len(keys)
+        if self._budget is not None:
+            self._budget_tickets[job_id] = self._budget.pin_load(keys)
         paths = [self.file_mapper.get_file_name(key) for key in keys]
         offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
 
@@ -583,6 +785,8 @@ class FileSystemTierManager(SecondaryTierManager):
         as a miss here (scheduler thread)."""
         results = []
         for job_id, success, transfer_time in self._pool.get_finished():
+            if self._budget is not None:
+                self._finish_budget_job(job_id, success)
             block_count = self._job_block_counts.pop(job_id, 0)
             transfer_bytes = block_count * self._block_size if block_count else None
             if self.events is not None:
@@ -638,6 +842,17 @@ class FileSystemTierManager(SecondaryTierManager):
             )
         return results
 
+    def _finish_budget_job(self, job_id: JobId, success: bool) -> None:
+        """Unpin the job's chunks; forget the files a failed job left
+        missing (a failed load removed its file)."""
+        assert self._budget is not None
+        failed: list[OffloadKey] = self._budget_failed.pop(job_id, [])
+        load_keys = self._load_job_keys.get(job_id)
+        if load_keys is not None and not success:
+            indices = self._load_failures.get(job_id)
+            failed = load_keys if indices is None else [load_keys[i] for i in indices]
+        self._budget.finish_job(self._budget_tickets.pop(job_id), failed)
+
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events is not None:
@@ -651,10 +866,63 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup_manager.cleanup(req_context.req_id)
+        if self._budget is not None:
+            self._budget.forget_request(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup_manager.flush()
+        if self._budget is not None:
+            # after the step's promotions were submitted (and pinned)
+            self._budget.end_step()
+
+    @classmethod
+    @override
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        if extra_config.get("max_bytes") is None:
+            return {}
+        return {
+            BUDGET_USED_BYTES: OffloadingGaugeMetadata(
+                documentation="Bytes of the fs tier's files counted against "
+                "its max_bytes budget (including stores in flight).",
+                labelnames=("tier_type",),
+            ),
+            BUDGET_MAX_BYTES: OffloadingGaugeMetadata(
+                documentation="The fs tier's max_bytes budget.",
+                labelnames=("tier_type",),
+            ),
+            BUDGET_EVICTED_FILES: OffloadingCounterMetadata(
+                documentation="Block files the fs tier evicted to stay within "
+                "max_bytes.",
+                labelnames=("tier_type",),
+            ),
+            BUDGET_REJECTED_FILES: OffloadingCounterMetadata(
+                documentation="Block files the fs tier did not store: no room "
+                "in max_bytes (every indexed file in use by a transfer).",
+                labelnames=("tier_type",),
+            ),
+        }
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        budget = self._budget
+        if budget is None:
+            return None
+        stats = OffloadingConnectorStats()
+        label = (self.tier_type,)
+        stats.set_gauge(BUDGET_USED_BYTES, budget.used, label)
+        stats.set_gauge(BUDGET_MAX_BYTES, budget.max_bytes, label)
+        evicted, rejected = budget.evicted_files, budget.rejected_files
+        stats.increase_counter(
+            BUDGET_EVICTED_FILES, evicted - self._budget_reported[0], label
+        )
+        stats.increase_counter(
+            BUDGET_REJECTED_FILES, rejected - self._budget_reported[1], label
+        )
+        self._budget_reported = (evicted, rejected)
+        return stats
 
     @override
     def shutdown(self) -> None:
@@ -667,3 +935,5 @@ class FileSystemTierManager(SecondaryTierManager):
         self._tmp_cleanup.join()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
+        if self._budget is not None:
+            self._budget.shutdown()

@@ -1,0 +1,704 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Regression tests for the fs tier's byte budget (max_bytes).
+
+Through the real TieringOffloadingManager with its CPU primary tier and the
+real fs tier writing real files, with the keys and their prompt positions
+the real connector scheduler derives from real requests (its
+RequestOffloadState), and hits looked up through the real connector
+scheduler: the tier's files stay within max_bytes after every store of a
+workload larger than it, a prefix loses its tail before its head (no kept
+file is unreachable), a restart over files beyond the budget trims them the
+same way, and the budget is reported to vLLM's KV offload metrics. Bad
+settings are refused.
+"""
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.v1.kv_offload.test_tiering_hma import (  # noqa: F401 (fixtures)
+    Engine,
+    _remove_shm_regions,
+    _sha256_block_hashes,
+    expected_hit_tokens,
+    finish_tier_io,
+    model_config,
+    ref_cnts,
+    settle_step,
+    tiering_manager,
+    write_chunks,
+)
+from tests.v1.kv_offload.tiering.test_fs_tier import (
+    _CTX,
+    _make_offloading_spec,
+    _page_aligned_zero_tensor,
+    drain,
+    lookup_and_wait,
+    make_job,
+)
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    RequestOffloadState,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.request import Request
+
+# the budget's metrics (vllm/v1/kv_offload/tiering/fs/manager.py)
+BUDGET_USED_BYTES = "vllm:kv_offload_fs_budget_used_bytes"
+BUDGET_MAX_BYTES = "vllm:kv_offload_fs_budget_max_bytes"
+BUDGET_EVICTED_FILES = "vllm:kv_offload_fs_budget_evicted_files"
+BUDGET_REJECTED_FILES = "vllm:kv_offload_fs_budget_rejected_files"
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+_CHUNKS = 6  # chunks per prompt: a shared head of 3, a tail of 3
+
+
+def block_files(root_dir: str) -> set[str]:
+    """Stems (<hash hex>_g<group>) of the block files under root_dir."""
+    return {
+        f"{f[:-4]}_g{d.rsplit('_g', 1)[1]}"
+        for d, _, files in os.walk(root_dir)
+        for f in files
+        if f.endswith(".bin")
+    }
+
+
+def disk_bytes(root_dir: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root_dir)
+        for f in files
+        if f.endswith((".bin", ".tmp"))
+    )
+
+
+def stem(key: OffloadKey) -> str:
+    return f"{key[:-4].hex()}_g{int.from_bytes(key[-4:], 'big')}"
+
+
+def budget_engine(model_cfg, layout: str, root_dir: str, **tier) -> Engine:
+    engine = Engine(model_cfg, layout, root_dir, 64)
+    extra = engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra["secondary_tiers"][0].update(tier)
+    return engine
+
+
+def chunk_bytes_on_disk(engine: Engine) -> int:
+    """Bytes of one chunk on disk: one row of the CPU tier per group."""
+    spec = engine.spec()
+    return len(spec.config.groups) * spec.kv_bytes_per_chunk
+
+
+def prompt(engine: Engine, p: int, num_heads: int = 2):
+    """Prompt p: _CHUNKS chunks plus one token; its first half is shared
+    with the other prompts of its head."""
+    head = [(11 * i + 101 * (p % num_heads)) % 500 for i in range(3 * 16)]
+    tail = [(7 * i + 13 * p + 1) % 500 for i in range(3 * 16 + 1)]
+    return Request(
+        request_id=f"req{p}",
+        prompt_token_ids=head + tail,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+    )
+
+
+def store_prompt(sched, request, on_step=None) -> list[list[OffloadKey]]:
+    """What the connector scheduler offloads of a request, in prompt order,
+    one store job per chunk of the coarsest group (every group's keys of
+    those tokens), each cascaded to the fs tier, with the keys and the
+    positions the connector's RequestOffloadState gives them. Returns the
+    request's keys per group."""
+    manager = tiering_manager(sched)
+    ctx = ReqContext(request.request_id)
+    state = RequestOffloadState(
+        config=sched.config, req=request, req_context=ctx, offloading_context=None
+    )
+    state.update_offload_keys()  # the keys, and their positions in ctx
+    groups = [list(g.offload_keys) for g in state.group_states]
+    with manager.lock:
+        manager.on_new_request(ctx)
+    step = math.lcm(*(c.tokens_per_chunk for c in sched.config.kv_group_configs))
+    for end in range(step, request.num_tokens + step, step):
+        keys = [
+            k
+            for g in groups
+            for k in g
+            if end - step < ctx.get_offload_key_position(k) <= end
+        ]
+        if not keys:
+            continue
+        with manager.lock:
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            if out.keys_to_store:  # not those the CPU tier holds already
+                write_chunks(manager, out.keys_to_store, out.store_spec.chunk_ids)
+                manager.complete_store(out.keys_to_store, ctx)  # to the fs tier
+        finish_tier_io(manager)
+        with manager.lock:
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+        if on_step is not None:
+            on_step()
+    with manager.lock:
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+    return groups
+
+
+def unreachable_files(
+    prompts: list[list[list[OffloadKey]]],
+    files: set[str],
+    sched,
+    stem: Callable[[OffloadKey], str] = stem,
+) -> set[str]:
+    """Kept block files of a prompt's chunks past the first token a
+    full-attention group lost: they can never hit."""
+    configs = sched.config.kv_group_configs
+    unreachable = set()
+    for groups in prompts:
+        # the first token not covered by a kept full-attention chunk
+        end = min(
+            next((i for i, k in enumerate(keys) if stem(k) not in files), len(keys))
+            * config.tokens_per_chunk
+            for keys, config in zip(groups, configs)
+            if config.sliding_window_size_in_chunks is None
+        )
+        for keys, config in zip(groups, configs):
+            unreachable.update(
+                stem(k)
+                for j, k in enumerate(keys)
+                if (j + 1) * config.tokens_per_chunk > end and stem(k) in files
+            )
+    return unreachable
+
+
+# ---------------------------------------------------------------------------
+# Through the real connector scheduler
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma3", "gemma4"])
+def test_budget_holds_and_prefixes_stay_whole(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    layout,
+):
+    """12 prompts with shared heads, four times the budget: after every
+    store the tier's files take at most max_bytes plus one store job, at the
+    end at most max_bytes; no kept file is unreachable (a prefix lost its
+    tail first, every group's file of a chunk at once), and a cold engine
+    hits the last prompt whole from disk through the connector scheduler."""
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    max_bytes = 10 * chunk
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    peak = [0]
+
+    def measure():
+        used = disk_bytes(root_dir)
+        peak[0] = max(peak[0], used)
+        assert used <= max_bytes + chunk, (used, max_bytes)
+
+    prompts = []
+    try:
+        for p in range(12):
+            prompts.append(store_prompt(sched, prompt(engine, p), measure))
+        assert disk_bytes(root_dir) <= max_bytes
+    finally:
+        sched.shutdown()
+    files = block_files(root_dir)
+    assert peak[0] >= max_bytes - chunk  # the workload filled the budget
+    assert not unreachable_files(prompts, files, sched)
+    # the last prompt is kept whole: its chunks are the most recent
+    assert all(stem(k) in files for keys in prompts[-1] for k in keys)
+
+    sched = engine.connector_scheduler()  # cold: an empty CPU tier
+    try:
+        request = prompt(engine, 11)
+        sched.on_new_request(request)
+        settled: set[str] = set()
+        for _ in range(3):
+            settle_step(sched, [request], settled)
+        hit, _ = sched.get_num_new_matched_tokens(request, 0)
+        assert hit == expected_hit_tokens(sched, request.num_tokens)
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "key_file"])
+def test_restart_over_budget_trims_tails_first(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    keyed,
+):
+    """Files of an earlier run beyond the budget (a larger one then): at
+    start the tier indexes them in the background and trims them to
+    max_bytes, tail first (the kept files of each prompt are a prefix of it:
+    the order comes from the tier's journal, not file times). With a
+    key_file the files are named by a keyed hash: the same, by those names."""
+    layout = "gemma3"
+    root_dir = str(tmp_path / "fs")
+    key_config = {}
+    if keyed:
+        key_path = tmp_path / "tier.key"
+        key_path.write_bytes(bytes(range(32)))
+        key_path.chmod(0o600)
+        key_config = {"key_file": str(key_path)}
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    engine = budget_engine(
+        model_config, layout, root_dir, max_bytes=100 * chunk, **key_config
+    )
+    sched = engine.connector_scheduler()
+    try:
+        prompts = [store_prompt(sched, prompt(engine, p, 6)) for p in range(6)]
+    finally:
+        sched.shutdown()
+    assert len(block_files(root_dir)) == 6 * _CHUNKS * len(prompts[0])
+    # file times say nothing of the order: the newest file is a prompt's head
+    for d, _, files in os.walk(root_dir):
+        for f in files:
+            if f.endswith(".bin"):
+                os.utime(os.path.join(d, f), (1e9, 1e9 + len(f) % 7))
+
+    max_bytes = 10 * chunk
+    engine = budget_engine(
+        model_config, layout, root_dir, max_bytes=max_bytes, **key_config
+    )
+    sched = engine.connector_scheduler()
+    try:
+        (tier,) = tiering_manager(sched).secondary_tiers
+        assert isinstance(tier, FileSystemTierManager)
+        assert tier._budget is not None and tier._budget.scan_done.wait(30)
+        assert tier._budget.used <= max_bytes
+    finally:
+        sched.shutdown()
+    files = block_files(root_dir)
+    assert 0 < disk_bytes(root_dir) <= max_bytes
+
+    def file_stem(key: OffloadKey) -> str:  # the name the tier gives key's file
+        name = os.path.basename(tier.file_mapper.get_file_name(key))
+        return f"{name[:-4]}_g{int.from_bytes(key[-4:], 'big')}"
+
+    assert not unreachable_files(prompts, files, sched, file_stem)
+    if keyed:  # the files are named by the keyed hash, not the block hash
+        assert not files & {stem(k) for p in prompts for g in p for k in g}
+
+
+def test_budget_is_reported_to_kv_offload_metrics(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+):
+    """The tiering manager's stats carry the tier's bytes used, its budget,
+    and the files it evicted and rejected (counters: deltas per report), and
+    the spec declares those metrics."""
+    layout = "llama"
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    max_bytes = 4 * chunk
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    definitions = TieringOffloadingSpec.build_metric_definitions(
+        engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+    )
+    for name in (
+        BUDGET_USED_BYTES,
+        BUDGET_MAX_BYTES,
+        BUDGET_EVICTED_FILES,
+        BUDGET_REJECTED_FILES,
+    ):
+        assert name in definitions
+    sched = engine.connector_scheduler()
+    manager = tiering_manager(sched)
+    try:
+        label = ("fs",)
+        # 6 chunks into 4: the head is kept, the 5th does not fit (the 4th,
+        # its parent, stays while it is written) and the 6th, after it, is
+        # not written
+        store_prompt(sched, prompt(engine, 0))
+        with manager.lock:
+            values = manager.get_stats().data["data"]
+        assert values[BUDGET_MAX_BYTES][label] == max_bytes
+        assert values[BUDGET_USED_BYTES][label] == 4 * chunk
+        assert values[BUDGET_EVICTED_FILES][label] == 0
+        assert values[BUDGET_REJECTED_FILES][label] == 1
+        # another prompt replaces the first, tail first
+        store_prompt(sched, prompt(engine, 1))
+        with manager.lock:
+            values = manager.get_stats().data["data"]
+        assert values[BUDGET_USED_BYTES][label] == 4 * chunk
+        assert values[BUDGET_EVICTED_FILES][label] == 4  # since the last report
+        assert values[BUDGET_REJECTED_FILES][label] == 1
+        assert all(c == 0 for c in ref_cnts(manager))
+    finally:
+        sched.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# At the tier
+# ---------------------------------------------------------------------------
+
+_ROW_ELEMENTS = 1024  # float32: a 4 KiB block file
+
+
+def make_tier(root_dir: str, rows, group_tokens=(), events=False, **config):
+    """An fs tier over rows (a page-aligned tensor), with a spec of
+    full-attention KV cache groups of group_tokens tokens a chunk (none:
+    no group known)."""
+    spec = _make_offloading_spec(enable_kv_cache_events=events)
+    spec.config = dataclasses.replace(
+        spec.config,
+        groups=tuple(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens, layer_names=(f"l{g}",), group_id=g
+            )
+            for g, tokens in enumerate(group_tokens)
+        ),
+    )
+    return FileSystemTierManager(
+        offloading_spec=spec,
+        primary_kv_view=memoryview(rows.numpy()),
+        tier_type="fs",
+        root_dir=root_dir,
+        n_read_threads=2,
+        n_write_threads=2,
+        enable_kv_events=events,
+        **config,
+    )
+
+
+def block_key(n: int) -> OffloadKey:
+    return make_offload_key(f"budget-{n}".encode().ljust(32, b"\0"), 0)
+
+
+def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
+    """Store each key in its own job (row i % rows holds key i's bytes)."""
+    results = []
+    for i, k in enumerate(keys):
+        rows[i % len(rows)] = float(first_job + i)
+        tier.submit_store(make_job(first_job + i, [k], [i % len(rows)]))
+        results.extend(drain(tier))
+    return results
+
+
+def prompt_ctx(req_id: str, keys: list[OffloadKey]) -> ReqContext:
+    """A request's context with its keys' positions, as the connector
+    records them (16 tokens a chunk)."""
+    ctx = ReqContext(req_id)
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (i + 1))
+    return ctx
+
+
+def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
+    """A budget of two files, both stored; one has a load in flight (held
+    in its read) and the other was reported present by lookup() in this
+    step: a store of a new key evicts neither (it fails, and the failure
+    report says why), the load reads the stored bytes, and once the step
+    ends and the load is done a store evicts."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    release = threading.Event()
+    batch_load_block = fs_manager.batch_load_block
+
+    def slow_load(*args, **kwargs):
+        assert release.wait(30)
+        return batch_load_block(*args, **kwargs)
+
+    monkeypatch.setattr(fs_manager, "batch_load_block", slow_load)
+    try:
+        a, b, c, d = (block_key(i) for i in range(1, 5))
+        assert all(r.success for r in store_keys(tier, [a, b], 40, rows))
+        tier.submit_load(make_job(10, [a], [5], is_promotion=True))
+        # reported present: its promotion follows at the end of the step
+        assert lookup_and_wait(tier, [b]) == [LookupResult.HIT]
+        tier.submit_store(make_job(20, [c], [2]))
+        deadline = time.monotonic() + 30
+        results = []
+        while not results and time.monotonic() < deadline:
+            results = list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        ((result),) = results
+        assert result.job_id == 20 and not result.success  # no room
+        assert tier._budget.rejected_files == 1
+        assert not os.path.exists(tier.file_mapper.get_file_name(c))
+        release.set()
+        (loaded,) = drain(tier)
+        assert loaded.success
+        assert (rows[5] == 40.0).all()  # a's bytes (its job's number)
+        assert os.path.exists(tier.file_mapper.get_file_name(b))
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # the step ends
+        # nothing in flight any more: the least recent is evicted for d
+        (result,) = store_keys(tier, [d], 30, rows)
+        assert result.success
+        assert os.path.exists(tier.file_mapper.get_file_name(d))
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
+    """A store evicts a chunk and an I/O thread removes its file later: in
+    between, lookup() answers the evicted key as a miss (a promotion of it
+    would load a file being removed), and a store of that key is not
+    written (the pending removal would delete the new file)."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=page)  # one file
+    budget = tier._budget
+    release = threading.Event()
+    try:
+        assert budget.scan_done.wait(30)
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1], 0, rows)
+        path1 = tier.file_mapper.get_file_name(k1)
+        real_remove = budget.remove_evicted
+
+        def held_remove(evicted):
+            release.wait(30)
+            real_remove(evicted)
+
+        budget.remove_evicted = held_remove
+        tier.submit_store(make_job(1, [k2], [1]))
+        # k1 is evicted, its file still on disk until the removal runs
+        assert os.path.exists(path1)
+        assert tier.lookup(k1, _CTX) is LookupResult.MISS
+        tier.submit_store(make_job(2, [k1], [2]))
+        release.set()
+        assert all(r.success for r in drain(tier))
+        assert not os.path.exists(path1)
+        assert lookup_and_wait(tier, [k1, k2]) == [
+            LookupResult.MISS,
+            LookupResult.HIT,
+        ]
+        assert disk_bytes(str(tmp_path)) <= page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_an_evicted_key_looked_up_before_is_a_miss(tmp_path):
+    """A key lookup() found (the verdict is cached for its request) and
+    then evicted: its next lookup is a miss, not a promotion of a file that
+    is gone."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=page)  # one file
+    try:
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1], 0, rows)
+        assert lookup_and_wait(tier, [k1]) == [LookupResult.HIT]
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # no promotion
+        (result,) = store_keys(tier, [k2], 1, rows)  # evicts k1
+        assert result.success
+        assert not os.path.exists(tier.file_mapper.get_file_name(k1))
+        assert tier.lookup(k1, _CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_eviction_is_published_as_removed_kv_events(tmp_path):
+    """With KV events, an evicted block is published as removed (a router
+    must not send requests for it here), after its store was published."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, events=True, max_bytes=page)
+    try:
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1, k2], 0, rows)
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert events == [([k1], False), ([k1], True), ([k2], False)]
+    finally:
+        tier.shutdown()
+
+
+def test_the_journal_is_private_whatever_the_umask(tmp_path):
+    """The budget's journal names the chunks on disk: created 0600 in a
+    0700 rank directory, like the tier's block files, under umask 0."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    old_umask = os.umask(0)
+    try:
+        tier = make_tier(
+            str(tmp_path / "fs"), rows, group_tokens=(16,), max_bytes=4 * page
+        )
+        budget = tier._budget
+        try:
+            keys = [block_key(i) for i in range(2)]
+            tier.submit_store(
+                TransferJob(0, keys, np.arange(2), False, prompt_ctx("req", keys))
+            )
+            drain(tier)
+            assert budget._parent[keys[1][:-4]] == keys[0][:-4]
+        finally:
+            tier.shutdown()  # writes the journal
+    finally:
+        os.umask(old_umask)
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    assert os.path.getsize(journal) > 0
+    assert os.stat(journal).st_mode & 0o777 == 0o600
+    assert os.stat(budget._rank_dir).st_mode & 0o777 == 0o700
+
+
+def test_a_chunk_a_coarser_group_stored_first_gets_its_parent(tmp_path):
+    """Groups of 32 and 16 tokens a chunk share the block hash at every
+    32 tokens: that chunk is first stored by the coarse group (its first
+    chunk: a root) and then by the fine group, whose predecessor is the
+    16-token chunk before it. It is linked then, so that eviction takes
+    it (the tail) before that predecessor (the head)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(32, 16), max_bytes=8 * page)
+    budget = tier._budget
+    try:
+        head, tail = b"h" * 32, b"t" * 32
+        coarse = make_offload_key(tail, 0)  # tokens 0-32
+        fine = [make_offload_key(head, 1), make_offload_key(tail, 1)]
+        ctx = ReqContext("req")
+        ctx.set_offload_key_position(coarse, 32)
+        ctx.set_offload_key_position(fine[0], 16)
+        ctx.set_offload_key_position(fine[1], 32)
+        tier.submit_store(TransferJob(0, [coarse, fine[0]], np.arange(2), False, ctx))
+        drain(tier)
+        assert tail not in budget._parent  # nothing before it in its group
+        tier.submit_store(TransferJob(1, [fine[1]], np.arange(1), False, ctx))
+        drain(tier)
+        assert budget._parent[tail] == head
+        assert list(budget._leaves) == [tail]
+    finally:
+        tier.shutdown()
+
+
+def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
+    """Two engines' tiers on one root (the same model and layout: the same
+    directory), each with a budget of three files, store the same key and
+    then five of their own: each stays within its budget, the root within
+    the sum, and a file the other engine removed is a miss for a tier that
+    indexed it (no error, no wrong bytes)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path)
+    first = make_tier(root, rows, max_bytes=3 * page)
+    second = make_tier(root, rows, max_bytes=3 * page)
+    try:
+        shared = block_key(0)
+        store_keys(first, [shared], 0, rows)
+        store_keys(second, [shared], 0, rows)
+        store_keys(first, [block_key(100 + i) for i in range(5)], 10, rows)
+        store_keys(second, [block_key(200 + i) for i in range(5)], 10, rows)
+        assert first._budget.used <= 3 * page
+        assert second._budget.used <= 3 * page
+        assert disk_bytes(root) <= 6 * page
+        assert lookup_and_wait(first, [shared]) == [LookupResult.MISS]
+        # a load of a key another engine removed under it: a miss, not bytes
+        k = block_key(104)
+        assert lookup_and_wait(first, [k]) == [LookupResult.HIT]
+        os.remove(first.file_mapper.get_file_name(k))
+        first.submit_load(make_job(50, [k], [6], is_promotion=True))
+        (result,) = drain(first)
+        assert not result.success and not result.successful_keys
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+@pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
+def test_bad_max_bytes_is_refused_before_any_thread_starts(tmp_path, max_bytes):
+    """max_bytes <= 0, not an integer, or smaller than one chunk of every
+    group: a ValueError naming the setting and the smallest valid value,
+    before the tier starts a thread."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    before = threading.active_count()
+    with pytest.raises(
+        ValueError, match=r"max_bytes of the 'fs' tier must be .*>= 4096"
+    ):
+        make_tier(str(tmp_path), rows, max_bytes=max_bytes)
+    assert threading.active_count() == before
+
+
+def test_budget_above_free_space_warns_once(tmp_path, caplog_vllm):
+    """A budget larger than the filesystem's free space: one warning at
+    start with both numbers."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    huge = 1 << 62
+    with caplog_vllm.at_level(logging.WARNING):
+        tier = make_tier(str(tmp_path), rows, max_bytes=huge)
+        tier.shutdown()
+    warnings = [
+        r.getMessage() for r in caplog_vllm.records if "free space" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and str(huge) in warnings[0], warnings
+
+
+def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
+    """The keys kept for finding parents are bounded (MAX_TRACKED_KEYS, the
+    least recently seen requests dropped first) and dropped when a request
+    finishes, and the journal of parents is compacted to the chunks still
+    indexed: 50 requests of 4 chained chunks over a budget of 4 files."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 64)
+    monkeypatch.setattr(budget_module, "SCAN_BATCH", 8)
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=4 * page)
+    budget = tier._budget
+    try:
+        for r in range(50):
+            keys = [block_key(1000 * r + i) for i in range(4)]
+            ctx = prompt_ctx(f"req{r}", keys)
+            # two store jobs: the second's first key links to the first's
+            for j in (0, 2):
+                tier.submit_store(
+                    TransferJob(
+                        2 * r + j // 2, keys[j : j + 2], np.arange(2), False, ctx
+                    )
+                )
+                drain(tier)
+            assert budget._order_keys <= 64
+            assert sum(len(o) for o in budget._orders.values()) <= 64
+            if r % 2:
+                tier.on_request_finished(ctx)
+                assert ctx.req_id not in budget._orders
+        # the last request's chunks are kept, linked head to tail
+        last = [block_key(49000 + i) for i in range(4)]
+        assert lookup_and_wait(tier, last) == [LookupResult.HIT] * 4
+        assert budget._parent[last[3][:-4]] == last[2][:-4]
+        assert budget._parent[last[2][:-4]] == last[1][:-4]
+    finally:
+        tier.shutdown()
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    record = 2 + 2 * 32
+    # 150 links written, compacted to those of the 4 indexed chunks
+    assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)

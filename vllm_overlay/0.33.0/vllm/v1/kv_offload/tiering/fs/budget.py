@@ -1,0 +1,935 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""FsTierBudget: a byte budget (``max_bytes``) for the fs tier, with an
+eviction order that keeps whole prefixes.
+
+What can still hit:
+    A hit needs every full-attention group's chunks from the start of the
+    prompt, so a file is only useful while every earlier chunk of its prefix
+    is kept. Block hashes chain (a chunk's hash covers its whole prefix), so
+    the chunks on disk form a forest: a chunk's parent is the chunk before it
+    in its prompt. Only leaves (chunks with no kept child) are evicted, in
+    least-recently-used order, with every group's file of the chunk at once;
+    a parent whose last child was evicted becomes the next victim. So a
+    prefix loses its tail before its head, a prefix shared by several
+    prompts stays while any of them is kept, and no kept file is unreachable
+    because an earlier chunk of its prefix was evicted.
+
+Where the order comes from:
+    Store jobs carry their keys without their place in the prompt; the
+    connector scheduler records each key's end-token position in the
+    request's ReqContext (as for the CPU tier's LRU policy). The tier keeps
+    a request's keys by group and position (those it stores or reports
+    present by lookup(), O(1) per key; MAX_TRACKED_KEYS keys at most,
+    dropped when the request finishes), and a store finds a key's parent as
+    the key of its group one chunk's tokens earlier: O(1) per stored key.
+    When that key is not kept (a prefix the CPU tier served, never asked of
+    this tier) the request's recorded positions are read in full, at most
+    each time they have doubled: amortized O(1) per key. A key without a
+    position or without a recorded predecessor is a root. A full-attention
+    key whose predecessor is on no disk (evicted, or its store failed) could
+    never hit from there: it is not written.
+
+Invariants:
+    - used = the bytes of the indexed files plus those of stores in flight;
+      a store reserves its bytes (evicting first) before its files are
+      written, and each of its tasks removes its share of the evicted files
+      before it writes, so the tier's files never exceed max_bytes by more
+      than the writes of one store job. A store that does not fit once
+      everything evictable is gone fails for the keys that do not (the
+      chunks farthest from the prompt's start first).
+    - A chunk with a store or load in flight, or reported present by
+      lookup() in the current step (the tiering manager submits the
+      promotions of a step's hits at its end, before the tier's
+      on_schedule_end()), is pinned: never evicted under the transfer.
+    - Every scheduler-thread call is O(1) per key; start-up indexing, the
+      journal and removals (and their paths) run on other threads; a hit
+      costs the scheduler thread one append (pinned by the next eviction).
+    - The index is flat: a chunk is one int in a dict (flags, pins, kept
+      children, group bitmask) and, when linked, one entry in a dict of
+      parents; no Python object per chunk for the garbage collector, so a
+      million indexed chunks add no collection pauses.
+
+Restart:
+    The parent of each stored chunk is appended to a small per-rank journal
+    (``budget.journal`` in the tier's rank directory; compacted when it holds
+    twice as many records as the index has chunks). At start a background
+    thread lists the rank directory, links the chunks with the journal's
+    parents, orders the leaves by file time, inserts them (older than
+    anything stored since start) in batches of a few ms under the lock,
+    pausing between them, and trims to the budget after each; the engine
+    serves meanwhile (files not indexed yet are not counted until their
+    batch). Files written without a budget have no journal:
+    their order is file time only, so the first trim may cut a prefix.
+
+Shared roots:
+    Each engine indexes the files it stored or found at its start and evicts
+    only those, within its own budget: engines sharing a root hold at most the
+    sum of their budgets (a file indexed by two engines counts in both). A
+    file another engine removed is a miss (lookup() checks the file).
+"""
+
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Iterable
+
+import numpy as np
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.fs.io import (
+    O_NOFOLLOW,
+    PRIVATE_MODES,
+    FileModes,
+    make_dirs,
+    write_file_atomically,
+)
+
+logger = init_logger(__name__)
+
+JOURNAL_NAME = "budget.journal"
+# Keys of the most recently seen requests kept for finding parents (about
+# 100 MiB of keys; the least recently seen requests go first).
+MAX_TRACKED_KEYS = 1 << 20
+# The journal is appended at most once per interval, or when this many links
+# are waiting (a wake-up costs the scheduler thread a GIL hand-off).
+JOURNAL_INTERVAL_S = 1.0
+JOURNAL_BATCH = 16384
+# Recovered chunks inserted per lock hold by the start-up scan (a few ms),
+# and the pause after each: a lock released and taken again at once starves
+# the scheduler thread waiting for it.
+SCAN_BATCH = 1024
+SCAN_PAUSE_S = 0.001
+# The budget's report (used bytes, evictions, rejections): at most one line
+# per interval, and only when something changed.
+REPORT_INTERVAL_S = 30.0
+
+
+# A chunk's state in the index is one int, so that the index holds no Python
+# object per chunk for the garbage collector to track (a million chunks are
+# one dict of bytes -> int): flags, pins, kept children, and from bit GROUPS
+# the bitmask of the KV cache groups it has files of.
+RECOVERED = 1  # found by the start-up scan
+PIN = 1 << 1  # a transfer (or a lookup() hit) needs its files
+PINS = ((1 << 24) - 1) << 1
+CHILD = 1 << 25  # an indexed chunk whose parent it is
+CHILDREN = ((1 << 31) - 1) << 25
+GROUPS = 56
+
+# Evicted chunks: (chunk id, group bitmask of their files), for the I/O
+# threads to turn into paths and remove.
+Evicted = list[tuple[bytes, int]]
+# What finish_job() needs of a job: the chunks it pinned, and for a store the
+# group bitmask of the files it adds, per chunk (None for a load).
+JobTicket = tuple[list[bytes], dict[bytes, int] | None]
+
+
+def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
+    """The tier's max_bytes setting: None (unbounded) or an int of at least
+    min_bytes (one chunk of every KV cache group). Raises ValueError
+    naming the setting and the smallest valid value."""
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise ValueError(
+            f"max_bytes of the '{tier_type}' tier must be an integer number of "
+            f"bytes >= {min_bytes} (one chunk of every KV cache group) or null "
+            f"(unbounded), got {max_bytes!r}"
+        )
+    if max_bytes < min_bytes:
+        raise ValueError(
+            f"max_bytes of the '{tier_type}' tier must be >= {min_bytes} (one "
+            f"chunk of every KV cache group) or null (unbounded), got {max_bytes}"
+        )
+    return max_bytes
+
+
+def _group_indices(groups: int) -> list[int]:
+    """The group indices of a group bitmask."""
+    return [g for g in range(groups.bit_length()) if groups >> g & 1]
+
+
+def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
+    return lambda h: positions.get(h, -1)
+
+
+def _slot(position: int, group_idx: int) -> int:
+    """A request's key's place: its end-token position and group, one int."""
+    return position << 32 | group_idx
+
+
+class FsTierBudget:
+    """The index, the eviction order and the start-up scan of a budgeted
+    fs tier (see the module docstring). Thread-safe: the scheduler
+    thread and the start-up scan share it under one lock."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        file_size: int,
+        rank_dir: str,
+        key_path: Callable[[OffloadKey], str],
+        chunk_path: Callable[[bytes, int], str],
+        label: str,
+        chunk_tokens: dict[int, int],
+        prefix_groups: Collection[int] | None = None,
+        chunk_id: Callable[[bytes], bytes] | None = None,
+        modes: FileModes = PRIVATE_MODES,
+    ) -> None:
+        """chunk_tokens: the tokens of one chunk of each KV cache group (a
+        key's predecessor ends that many tokens earlier). prefix_groups: the
+        KV cache groups a hit needs every earlier
+        chunk of (full attention); None: every group. A key of such a group
+        whose predecessor is on no disk is not written.
+
+        Chunks are indexed by the stem of their file names, what the
+        start-up scan reads back: chunk_id maps a block hash to it (a keyed
+        namespace's keyed hash; None: the block hash itself), and
+        chunk_path maps it and a group index to the file's path. modes: the
+        tier's file modes, which the journal gets too (it names the chunks
+        on disk)."""
+        self.max_bytes = max_bytes
+        self.file_size = file_size
+        self.used = 0
+        self._rank_dir = rank_dir
+        self._key_path = key_path
+        self._chunk_path = chunk_path
+        self._chunk_id = chunk_id
+        self._modes = modes
+        self._label = label
+        self._chunk_tokens = {
+            g.to_bytes(4, "big"): tokens for g, tokens in chunk_tokens.items()
+        }
+        self._prefix_groups: frozenset[bytes] | None = (
+            None
+            if prefix_groups is None
+            else frozenset(g.to_bytes(4, "big") for g in prefix_groups)
+        )
+        self._lock = threading.Lock()
+        # chunk id -> state (RECOVERED, PINS, CHILDREN, GROUPS above)
+        self._chunks: dict[bytes, int] = {}
+        # chunk id -> the indexed chunk before it in its prompt
+        self._parent: dict[bytes, bytes] = {}
+        # evictable chunks, least recent first: files on disk, no kept
+        # child. Pinning only counts (a pinned chunk may stay listed:
+        # eviction drops it from the list, and its last unpin lists it again).
+        self._leaves: OrderedDict[bytes, None] = OrderedDict()
+        # a key's 4-byte group suffix -> its bit in a group bitmask
+        self._group_bits: dict[bytes, int] = {}
+        # keys lookup() found in the current step: pinned by the next
+        # eviction before it evicts (one append per hit on the scheduler
+        # thread), and the chunks they pinned
+        self._hits: deque[OffloadKey] = deque()
+        self._step_pins: list[bytes] = []
+        # req_id -> {_slot(position, group): the request's key there}, the
+        # keys the tier saw (scheduler thread only: no lock)
+        self._orders: OrderedDict[str, dict[int, OffloadKey]] = OrderedDict()
+        self._order_keys = 0  # their keys
+        # req_id -> the number of recorded positions its last recall read
+        self._recalled: dict[str, int] = {}
+        # evicted chunks whose files the I/O threads have not removed yet
+        self._removing: set[bytes] = set()
+        # the start-up scan's chunks not inserted yet (chunk id -> state);
+        # None once the scan is done
+        self._recovering: dict[bytes, int] | None = None
+        # counters: since start, and since the last report
+        self.evicted_files = 0
+        self.rejected_files = 0
+        self.unreachable_files = 0  # not written: their prefix is not on disk
+        self._reported = (0, 0, 0)
+        self._next_report = time.monotonic() + REPORT_INTERVAL_S
+
+        # journal records and the start-up scan run on this thread
+        self._journal_path = os.path.join(rank_dir, JOURNAL_NAME)
+        # (chunk, parent) links not written yet; the thread writes them at
+        # most once per JOURNAL_INTERVAL_S (or at once past JOURNAL_BATCH)
+        self._journal_q: deque[tuple[bytes, bytes]] = deque()
+        self._journal_records = 0
+        self._wake = threading.Condition(threading.Lock())
+        self._stop = False
+        self.scan_done = threading.Event()
+        self.scan_stats: tuple[int, int, int, float] | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="vllm_kv_py_fs_budget", daemon=True
+        )
+        self._thread.start()
+
+    # ---- scheduler thread -------------------------------------------------
+
+    def note_keys(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Keep the request's keys by group and end-token position, for
+        finding their successors' parents (scheduler thread, no lock)."""
+        orders = self._orders.get(req_context.req_id)
+        if orders is None:
+            orders = self._orders[req_context.req_id] = {}
+        else:
+            self._orders.move_to_end(req_context.req_id)
+        n = len(orders)
+        for k in keys:
+            position = req_context.get_offload_key_position(k)
+            if position is not None:
+                orders[_slot(position, int.from_bytes(k[-4:], "big"))] = k
+        self._order_keys += len(orders) - n
+        self._bound_orders()
+
+    def _bound_orders(self) -> None:
+        while self._order_keys > MAX_TRACKED_KEYS and len(self._orders) > 1:
+            req_id, dropped = self._orders.popitem(last=False)
+            self._order_keys -= len(dropped)
+            self._recalled.pop(req_id, None)
+
+    def _recall(self, req_context: ReqContext) -> dict[int, OffloadKey]:
+        """Keep every key the scheduler recorded a position of for the
+        request, unless they have not doubled since the last recall."""
+        recorded = req_context.offload_key_positions()
+        req_id = req_context.req_id
+        if not recorded or len(recorded) < 2 * self._recalled.get(req_id, 0):
+            return self._orders.get(req_id, {})
+        self._recalled[req_id] = len(recorded)
+        orders = self._orders.setdefault(req_id, {})
+        n = len(orders)
+        for k, position in recorded.items():
+            orders[_slot(position, int.from_bytes(k[-4:], "big"))] = k
+        self._order_keys += len(orders) - n
+        self._bound_orders()
+        return self._orders.get(req_id, {})
+
+    def forget_request(self, req_id: str) -> None:
+        """The request finished: no store of it follows."""
+        dropped = self._orders.pop(req_id, None)
+        if dropped is not None:
+            self._order_keys -= len(dropped)
+        self._recalled.pop(req_id, None)
+
+    def on_hit(self, key: OffloadKey, req_context: ReqContext) -> None:
+        """lookup() found the key's file: pinned before anything is evicted
+        until the end of the step, by which time its promotion (if any) is
+        pinned; and its request's next chunk links to it."""
+        self._hits.append(key)
+        self.note_keys((key,), req_context)
+
+    def admit_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted, JobTicket]:
+        """Reserve room for a store job's new files, evicting first.
+
+        Returns the keys that do not fit (not to be written: the chunks
+        nearest the prompt's start are admitted first), the keys not worth
+        writing (the chunk before them in their prompt is not on disk, so
+        they could never hit from it), the evicted chunks (their files to be
+        removed before the job's writes, see remove_evicted()), and the
+        job's ticket for finish_job(): its pinned chunks and new files."""
+        gbits = self._group_bits
+        # the job's chunks: chunk id -> group bitmask of its keys
+        job: dict[bytes, int] = {}
+        ids: dict[bytes, bytes] | None = None  # block hash -> chunk id
+        if self._chunk_id is None:
+            for k in keys:
+                g = k[-4:]
+                bit = gbits.get(g) or self._group_bit(g)
+                h = k[:-4]
+                job[h] = job.get(h, 0) | bit
+        else:
+            ids = {}
+            for k in keys:
+                g = k[-4:]
+                bit = gbits.get(g) or self._group_bit(g)
+                raw = k[:-4]
+                h = ids.get(raw)
+                if h is None:
+                    h = ids[raw] = self._chunk_id(raw)
+                job[h] = job.get(h, 0) | bit
+        with self._lock:
+            chunks = self._chunks
+            pinned: list[bytes] = []
+            # chunk id -> group bitmask of the job's new files
+            new: dict[bytes, int] = {}
+            # evicted chunks whose files are not removed yet: not written
+            # now (the removal would delete the new files); a miss until
+            # stored again
+            removing: dict[bytes, int] = {}
+            for h, bits in job.items():
+                if h in self._removing:
+                    removing[h] = bits
+                    continue
+                state = chunks.get(h)
+                if state is None:
+                    new[h] = bits
+                    continue
+                chunks[h] = state + PIN
+                pinned.append(h)
+                missing = bits & ~(state >> GROUPS)
+                if missing:
+                    new[h] = missing
+            parents, positions, orphans = self._find_parents(
+                new, ids, keys, req_context
+            )
+            unreachable: dict[bytes, int] = {}
+            for h, bit, prev in orphans:
+                # not indexed here: on disk only if another engine stored it
+                if not os.path.exists(self._key_path(prev)):
+                    unreachable[h] = unreachable.get(h, 0) | bit
+            if unreachable:
+                # and so are the chunks after them in the job
+                gone = set(unreachable)
+                for h in sorted(new, key=_by_position(positions)):
+                    parent = parents.get(h)
+                    if parent in gone and parent not in chunks:
+                        unreachable[h] = new[h]
+                        gone.add(h)
+                for h, bits in unreachable.items():
+                    rest = new[h] & ~bits
+                    if rest:
+                        new[h] = rest
+                    else:
+                        del new[h]
+                self.unreachable_files += sum(
+                    b.bit_count() for b in unreachable.values()
+                )
+            # indexed parents stay while their new children are written
+            for h in new:
+                parent = parents.get(h)
+                if parent is not None and parent not in new:
+                    state = chunks.get(parent)
+                    if state is not None:
+                        chunks[parent] = state + PIN
+                        pinned.append(parent)
+            file_size = self.file_size
+            nfiles = sum(b.bit_count() for b in new.values())
+            evicted = self._evict(nfiles * file_size)
+            room = max(0, (self.max_bytes - self.used) // file_size)
+            rejected: dict[bytes, int] = {}
+            if nfiles > room:
+                # keep the chunks nearest the start of their prompt
+                for h in sorted(new, key=_by_position(positions)):
+                    n = new[h].bit_count()
+                    if n <= room:
+                        room -= n
+                    else:
+                        room = -1
+                        rejected[h] = new.pop(h)
+                        nfiles -= n
+                self.rejected_files += sum(b.bit_count() for b in rejected.values())
+            created: list[bytes] = []
+            for h, bits in new.items():
+                state = chunks.get(h)
+                if state is None:
+                    state = PIN
+                    pinned.append(h)
+                    created.append(h)
+                chunks[h] = state | bits << GROUPS
+            self.used += nfiles * file_size
+            # link the new chunks to their parents (indexed, or new here); a
+            # chunk first stored as a root by a group of larger chunks gets
+            # its parent with its finer group's file
+            if parents:
+                parent_of = self._parent
+                leaves = self._leaves
+                journal = self._journal_q
+                for h in new:
+                    parent = parents.get(h)
+                    if parent is not None and parent != h and h not in parent_of:
+                        state = chunks.get(parent)
+                        if state is not None:
+                            parent_of[h] = parent
+                            chunks[parent] = state + CHILD
+                            if not state & CHILDREN:
+                                leaves.pop(parent, None)
+                            journal.append((h, parent))
+        rejected_keys: set[OffloadKey] = set()
+        unreachable_keys: set[OffloadKey] = set()
+        unreachable.update(removing)
+        if rejected or unreachable:
+            for k in keys:
+                h = k[:-4] if ids is None else ids[k[:-4]]
+                bit = gbits[k[-4:]]
+                if rejected.get(h, 0) & bit:
+                    rejected_keys.add(k)
+                elif unreachable.get(h, 0) & bit:
+                    unreachable_keys.add(k)
+        return rejected_keys, unreachable_keys, evicted, (pinned, new)
+
+    def pin_load(self, keys: Collection[OffloadKey]) -> JobTicket:
+        """A load job's chunks, pinned until finish_job()."""
+        pinned: list[bytes] = []
+        hashes = {self._cid(k[:-4]) for k in keys}
+        with self._lock:
+            chunks = self._chunks
+            for h in hashes:
+                state = chunks.get(h)
+                if state is not None:
+                    chunks[h] = state + PIN
+                    pinned.append(h)
+        return pinned, None
+
+    def finish_job(self, ticket: JobTicket, failed: Iterable[OffloadKey]) -> None:
+        """A store or load job finished: forget the files of its failed keys
+        (a failed store did not write its new files, a failed load removed
+        its file) and unpin its chunks."""
+        pinned, new = ticket
+        with self._lock:
+            chunks = self._chunks
+            for k in failed:
+                h = self._cid(k[:-4])
+                bit = self._group_bit(k[-4:])
+                if new is not None and not new.get(h, 0) & bit:
+                    continue  # the file it failed to store over is still there
+                state = chunks.get(h)
+                if state is not None and state >> GROUPS & bit:
+                    chunks[h] = state - (bit << GROUPS)
+                    self.used -= self.file_size
+            for h in pinned:
+                self._unpin(h)
+
+    def end_step(self) -> None:
+        """on_schedule_end(): release lookup()'s pins (the step's
+        promotions are pinned by now); wake the journal."""
+        if self._step_pins or self._hits:
+            with self._lock:
+                # not pinned yet: nothing was evicted since their lookup
+                self._hits.clear()
+                for h in self._step_pins:
+                    self._unpin(h)
+                self._step_pins.clear()
+        if len(self._journal_q) > JOURNAL_BATCH:
+            with self._wake:
+                self._wake.notify()
+        if time.monotonic() >= self._next_report:
+            self._report()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+        self._report(force=True)
+
+    # ---- I/O threads --------------------------------------------------------
+
+    def remove_evicted(self, evicted: Evicted) -> None:
+        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
+        self._remove_files(self._paths(evicted))
+        self._removed(evicted)
+
+    def evicted_keys(self, evicted: Evicted) -> list[OffloadKey]:
+        """The keys of evicted chunks (none for keyed file names, which do
+        not give their block hash back)."""
+        if self._chunk_id is not None:
+            return []
+        return [
+            OffloadKey(h + g.to_bytes(4, "big"))
+            for h, groups in evicted
+            for g in _group_indices(groups)
+        ]
+
+    def is_removing(self, key: OffloadKey) -> bool:
+        """lookup(): the key's chunk was evicted and its files are being
+        removed (a miss: its load would fail)."""
+        return bool(self._removing) and self._cid(key[:-4]) in self._removing
+
+    def _removed(self, evicted: Evicted) -> None:
+        with self._lock:
+            self._removing.difference_update(h for h, _ in evicted)
+
+    # ---- internals (under self._lock) --------------------------------------
+
+    def _cid(self, block_hash: bytes) -> bytes:
+        """A block hash's chunk id: the stem of its files' names."""
+        chunk_id = self._chunk_id
+        return block_hash if chunk_id is None else chunk_id(block_hash)
+
+    def _group_bit(self, suffix: bytes) -> int:
+        bit = self._group_bits.get(suffix)
+        if bit is None:
+            bit = self._group_bits[suffix] = 1 << int.from_bytes(suffix, "big")
+        return bit
+
+    def _find_parents(
+        self,
+        new: dict[bytes, int],
+        ids: dict[bytes, bytes] | None,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+    ) -> tuple[
+        dict[bytes, bytes], dict[bytes, int], list[tuple[bytes, int, OffloadKey]]
+    ]:
+        """Parents (indexed chunks, or new chunks of this job) and prompt
+        positions of the new chunks, from the keys' positions and the keys
+        the tier saw of their request, and the new files whose predecessor
+        is neither (chunk, group bit, the predecessor's key). O(1) per key;
+        a chunk whose predecessor is unknown has no parent (a root). Notes
+        the job's keys for the request's next store."""
+        parents: dict[bytes, bytes] = {}
+        positions: dict[bytes, int] = {}
+        orphans: list[tuple[bytes, int, OffloadKey]] = []
+        if not new:
+            self.note_keys(keys, req_context)
+            return parents, positions, orphans
+        req_id = req_context.req_id
+        orders = self._orders.get(req_id)
+        if orders is None:
+            orders = self._orders[req_id] = {}
+        else:
+            self._orders.move_to_end(req_id)
+        n = len(orders)
+        chunks = self._chunks
+        prefix_groups = self._prefix_groups
+        chunk_tokens = self._chunk_tokens
+        group_bits = self._group_bits
+        get_position = req_context.get_offload_key_position
+        if len(set(chunk_tokens.values())) > 1:
+            # the finest group first: its predecessor is the closest (groups
+            # of larger chunks skip the chunks between theirs)
+            keys = sorted(keys, key=lambda k: chunk_tokens.get(k[-4:], 0))
+        # the job's keys first: predecessors of each other, and of the
+        # request's next store
+        placed: list[tuple[OffloadKey, int, int]] = []
+        for k in keys:
+            position = get_position(k)
+            if position is not None:
+                group_idx = int.from_bytes(k[-4:], "big")
+                orders[_slot(position, group_idx)] = k
+                placed.append((k, position, group_idx))
+        for k, position, group_idx in placed:
+            g = k[-4:]
+            h = k[:-4] if ids is None else ids[k[:-4]]
+            bit = group_bits[g]
+            tokens = chunk_tokens.get(g)
+            if not new.get(h, 0) & bit or tokens is None:
+                continue
+            positions.setdefault(h, position)
+            if position <= tokens:
+                continue  # the first chunk: a root
+            slot = _slot(position - tokens, group_idx)
+            prev_key = orders.get(slot)
+            if prev_key is None:
+                self._order_keys += len(orders) - n
+                orders = self._recall(req_context)
+                n = len(orders)
+                prev_key = orders.get(slot)
+                if prev_key is None:
+                    continue  # no recorded predecessor: a root
+            prev = self._cid(prev_key[:-4])
+            if prev in chunks or prev in new:
+                parents.setdefault(h, prev)
+            elif prefix_groups is None or g in prefix_groups:
+                # sliding-window and mamba groups skip chunks: no orphans
+                orphans.append((h, bit, prev_key))
+        self._order_keys += len(orders) - n
+        self._bound_orders()
+        return parents, positions, orphans
+
+    def _unpin(self, h: bytes) -> None:
+        state = self._chunks.get(h)
+        if state is None:
+            return
+        state -= PIN
+        self._chunks[h] = state
+        if not state & (PINS | CHILDREN):
+            if state >> GROUPS:  # evictable, and just used
+                self._leaves[h] = None
+                self._leaves.move_to_end(h)
+            else:  # its files failed: nothing left to keep
+                self._remove_chunk(h, state)
+
+    def _pin_hits(self) -> None:
+        """Pin the chunks of lookup()'s hits since the last pinning."""
+        hits = self._hits
+        chunks = self._chunks
+        while hits:
+            h = self._cid(hits.popleft()[:-4])
+            state = chunks.get(h)
+            if state is not None:
+                chunks[h] = state + PIN
+                self._step_pins.append(h)
+
+    def _remove_chunk(self, h: bytes, state: int) -> None:
+        chunks = self._chunks
+        del chunks[h]
+        self._leaves.pop(h, None)
+        self.used -= (state >> GROUPS).bit_count() * self.file_size
+        parent = self._parent.pop(h, None)
+        if parent is None:
+            return
+        recovering = self._recovering
+        if state & RECOVERED and recovering is not None and parent in recovering:
+            recovering[parent] -= CHILD  # the parent is not inserted yet
+            return
+        self._drop_child(parent)
+
+    def _drop_child(self, parent: bytes) -> None:
+        state = self._chunks.get(parent)
+        if state is None:
+            return
+        state -= CHILD
+        self._chunks[parent] = state
+        if not state & (CHILDREN | PINS):
+            # the prefix's head follows its tail
+            self._leaves[parent] = None
+            self._leaves.move_to_end(parent, last=False)
+
+    def _evict(self, need: int) -> Evicted:
+        """Evict leaves, least recent first, until need more bytes fit.
+        Returns the evicted chunks."""
+        self._pin_hits()
+        evicted: Evicted = []
+        leaves = self._leaves
+        chunks = self._chunks
+        files = 0
+        while self.used + need > self.max_bytes and leaves:
+            h, _ = leaves.popitem(last=False)
+            state = chunks.get(h)
+            if state is None or state & (PINS | CHILDREN):
+                continue  # pinned: listed again when unpinned
+            groups = state >> GROUPS
+            evicted.append((h, groups))
+            self._removing.add(h)
+            files += groups.bit_count()
+            self._remove_chunk(h, state)
+        self.evicted_files += files
+        return evicted
+
+    def _paths(self, evicted: Evicted) -> list[str]:
+        chunk_path = self._chunk_path
+        return [
+            chunk_path(h, g) for h, groups in evicted for g in _group_indices(groups)
+        ]
+
+    # ---- reports ------------------------------------------------------------
+
+    def _report(self, force: bool = False) -> None:
+        self._next_report = time.monotonic() + REPORT_INTERVAL_S
+        now = (self.used, self.evicted_files, self.rejected_files)
+        if now == self._reported and not force:
+            return
+        logger.info(
+            "%s: %d of max_bytes=%d bytes used (%d files), %d files evicted "
+            "and %d rejected since the previous report (%d and %d since start)",
+            self._label,
+            self.used,
+            self.max_bytes,
+            self.used // self.file_size,
+            self.evicted_files - self._reported[1],
+            self.rejected_files - self._reported[2],
+            self.evicted_files,
+            self.rejected_files,
+        )
+        self._reported = now
+
+    # ---- budget thread: the start-up scan and the journal -----------------
+
+    def _run(self) -> None:
+        try:
+            self._scan()
+        except Exception as e:  # the tier still works, unindexed files stay
+            logger.warning("%s: could not index existing files: %s", self._label, e)
+        finally:
+            self.scan_done.set()
+        while True:
+            with self._wake:
+                self._wake.wait(JOURNAL_INTERVAL_S)
+                stop = self._stop
+            self._write_journal()
+            if stop:
+                return
+
+    def _write_journal(self) -> None:
+        q = self._journal_q
+        records = [_record(*q.popleft()) for _ in range(len(q))]
+        if not records:
+            return
+        try:
+            # the tier's modes: the journal names the chunks on disk
+            make_dirs(self._rank_dir, self._modes)
+            fd = os.open(
+                self._journal_path,
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW,
+                self._modes.file,
+            )
+            try:
+                os.fchmod(fd, self._modes.file)
+                os.write(fd, b"".join(records))
+            finally:
+                os.close(fd)
+            self._journal_records += len(records)
+            if self._journal_records > 2 * len(self._chunks) + SCAN_BATCH:
+                self._compact_journal()
+        except OSError as e:
+            logger.warning(
+                "%s: could not write %s: %s", self._label, self._journal_path, e
+            )
+
+    def _compact_journal(self) -> None:
+        """Keep the records of indexed chunks (read without the lock: dict
+        membership is atomic; a record dropped by a race only makes that
+        chunk a root after a restart)."""
+        kept = {
+            h: p
+            for h, p in _read_journal(self._journal_path).items()
+            if h in self._chunks
+        }
+        write_file_atomically(
+            self._journal_path,
+            b"".join(_record(h, p) for h, p in kept.items()),
+            self._modes,
+        )
+        self._journal_records = len(kept)
+
+    def _scan(self) -> None:
+        """Index the rank directory's block files and trim to the budget.
+
+        Flat: one state int and one mtime per chunk in two dicts (nothing
+        the garbage collector tracks per file), the order sorted by numpy,
+        and inserted SCAN_BATCH chunks per lock hold."""
+        start = time.monotonic()
+        parents = _read_journal(self._journal_path)
+        self._journal_records = len(parents)
+        found: dict[bytes, int] = {}  # chunk id -> state
+        mtimes: dict[bytes, float] = {}  # chunk id -> its newest file's mtime
+        for d1 in _scandir(self._rank_dir):
+            if not d1.is_dir(follow_symlinks=False):
+                continue
+            for d2 in _scandir(d1.path):
+                name = d2.name
+                sep = name.find("_g")
+                if sep < 0 or not d2.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    bit = 1 << (GROUPS + int(name[sep + 2 :]))
+                except ValueError:
+                    continue
+                if self._stop:
+                    return
+                for f in _scandir(d2.path):
+                    fname = f.name
+                    if not fname.endswith(".bin"):
+                        continue
+                    try:
+                        h = bytes.fromhex(fname[:-4])
+                        mtime = f.stat(follow_symlinks=False).st_mtime
+                    except (ValueError, OSError):
+                        continue
+                    state = found.get(h)
+                    if state is None:
+                        found[h] = RECOVERED | bit
+                        mtimes[h] = mtime
+                    else:
+                        found[h] = state | bit
+                        if mtime > mtimes[h]:
+                            mtimes[h] = mtime
+        links: dict[bytes, bytes] = {}
+        for h, p in parents.items():
+            if h in found and p in found and h != p:
+                links[h] = p
+                found[p] += CHILD
+        del parents
+        # the most recent first, each inserted at the least recent end
+        # (numpy sorts without holding the GIL: the engine keeps serving)
+        hashes = list(found)
+        mt = np.fromiter(mtimes.values(), np.float64, len(hashes))
+        del mtimes
+        order = [hashes[i] for i in np.argsort(-mt, kind="stable").tolist()]
+        del hashes, mt
+        total = len(order)
+        removed = 0
+        with self._lock:
+            self._recovering = found
+        try:
+            for i in range(0, total, SCAN_BATCH):
+                if self._stop:
+                    return
+                with self._lock:
+                    for h in order[i : i + SCAN_BATCH]:
+                        self._insert_recovered(h, found.pop(h), links.get(h))
+                    evicted = self._evict(0)
+                removed += self._remove_files(self._paths(evicted))
+                self._removed(evicted)
+                time.sleep(SCAN_PAUSE_S)
+        finally:
+            with self._lock:
+                self._recovering = None
+        self.scan_stats = (total, removed, self.used, time.monotonic() - start)
+        logger.info(
+            "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
+            "file(s) to fit max_bytes=%d; %d bytes used",
+            self._label,
+            total,
+            self.scan_stats[3],
+            removed,
+            self.max_bytes,
+            self.used,
+        )
+
+    def _insert_recovered(self, h: bytes, found: int, parent: bytes | None) -> None:
+        """Insert a chunk found on disk (under the lock). Its children count
+        is the recovered one, kept up to date while it waited: a recovered
+        child removed before its parent was inserted decremented it there."""
+        chunks = self._chunks
+        state = chunks.get(h)
+        children = found & CHILDREN
+        if state is not None:  # stored again since start: merge
+            add = found >> GROUPS & ~(state >> GROUPS)
+            self.used += add.bit_count() * self.file_size
+            chunks[h] = (state | add << GROUPS) + children
+            if children:
+                self._leaves.pop(h, None)
+            if parent is not None:  # keep the link it has: drop the old one
+                recovering = self._recovering
+                if recovering is not None and parent in recovering:
+                    recovering[parent] -= CHILD
+                else:
+                    self._drop_child(parent)
+            return
+        chunks[h] = found
+        if parent is not None:
+            self._parent[h] = parent
+        self.used += (found >> GROUPS).bit_count() * self.file_size
+        if not children:
+            self._leaves[h] = None
+            self._leaves.move_to_end(h, last=False)
+
+    def _remove_files(self, paths: Iterable[str]) -> int:
+        n = 0
+        for path in paths:
+            try:
+                os.remove(path)
+                n += 1
+            except OSError:  # removed by another engine, or never written
+                pass
+        return n
+
+
+def _record(h: bytes, parent: bytes) -> bytes:
+    return bytes((len(h), len(parent))) + h + parent
+
+
+def _read_journal(path: str) -> dict[bytes, bytes]:
+    try:
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+    except OSError:
+        return {}
+    parents: dict[bytes, bytes] = {}
+    i, n = 0, len(data)
+    while i + 2 <= n:
+        lh, lp = data[i], data[i + 1]
+        j = i + 2 + lh + lp
+        if j > n:
+            break  # a torn last record
+        parents[data[i + 2 : i + 2 + lh]] = data[i + 2 + lh : j]
+        i = j
+    return parents
+
+
+def _scandir(path: str):
+    try:
+        with os.scandir(path) as it:
+            yield from it
+    except OSError:
+        return
