@@ -415,6 +415,13 @@ def make_tier(root_dir: str, rows: np.ndarray, **config) -> FileSystemTierManage
     )
 
 
+def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
     """Store each key in its own job (row i holds key i's bytes)."""
     results = []
@@ -489,7 +496,9 @@ def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
         budget.remove_evicted = held_remove
         rows[1] = block_bytes(key(2), page)
         tier.submit_store(make_job(1, [key(2)], [1]))
-        # key 1 is evicted, its file still on disk until the removal runs
+        # key 1 is evicted (by the job's admission, on an I/O thread), its
+        # file still on disk until the removal runs
+        wait_until(lambda: budget.is_removing(key(1)))
         assert os.path.exists(path1)
         assert not tier.lookup(key(1), _CTX)
         rows[2] = block_bytes(key(1), page)
@@ -636,3 +645,219 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     record = 2 + 2 * 32
     # 150 links written, compacted to those of the 4 indexed chunks
     assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)
+
+
+def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
+    """The budget's work (admission, eviction, pins, the orphan check's
+    filesystem call) runs off the scheduler thread: with the budget's lock
+    held by another thread, touch(), lookup(), submit_store(),
+    submit_load() and get_finished() return at once, and no budget path
+    is made on the scheduler thread; once the lock is free, the jobs
+    finish and the budget holds."""
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    budget = tier._budget
+    key_path = budget._key_path
+    path_threads: list[str] = []
+
+    def recording_key_path(k):
+        path_threads.append(threading.current_thread().name)
+        return key_path(k)
+
+    budget._key_path = recording_key_path
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [key(1), key(2)], 0, rows)
+        locked, release = threading.Event(), threading.Event()
+
+        def hold_lock():
+            with budget._lock:
+                locked.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        assert locked.wait(30)
+        results: list = []
+
+        def scheduler_calls():
+            # key 3's predecessor (key 9) is indexed nowhere: an orphan
+            tier.touch([key(9), key(3), key(4)], _CTX)
+            assert tier.lookup(key(1), _CTX)
+            for n in (3, 4):
+                rows[n] = block_bytes(key(n), page)
+            tier.submit_store(make_job(5, [key(3), key(4)], [3, 4]))
+            tier.submit_load(make_job(6, [key(1)], [6], is_promotion=True))
+            results.extend(tier.get_finished())
+
+        calls = threading.Thread(target=scheduler_calls, name="scheduler")
+        calls.start()
+        calls.join(10)
+        blocked = calls.is_alive()
+        release.set()
+        holder.join(30)
+        calls.join(30)
+        assert not blocked, "a scheduler-side call waited on the budget's lock"
+        results.extend(_finish(tier, 2 - len(results)))
+        assert len(results) == 2
+        assert path_threads and "scheduler" not in path_threads, path_threads
+        # key 3 is not worth writing (its predecessor is on no disk), and so
+        # is key 4 after it; the load of key 1 read its bytes
+        assert not tier.lookup(key(3), _CTX) and not tier.lookup(key(4), _CTX)
+        np.testing.assert_array_equal(rows[6], block_bytes(key(1), page))
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        tier.shutdown()
+
+
+def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypatch):
+    """Past HIGH_WATER percent of max_bytes the budget thread evicts down to
+    LOW_WATER percent, never below, and removes those files itself: stores
+    at a full budget then find room, and their tasks remove no file."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=40 * page)
+    budget = tier._budget
+    low = 40 * page * getattr(budget_module, "LOW_WATER", 90) // 100
+    high = 40 * page * getattr(budget_module, "HIGH_WATER", 95) // 100
+    removers: list[str] = []
+    remove = os.remove
+
+    def recording_remove(path, *args, **kwargs):
+        if path.endswith(".bin"):
+            removers.append(threading.current_thread().name)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", recording_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        for n in range(100):
+            assert all(r.success for r in store_keys(tier, [key(n)], n, rows))
+            # at rest: under the high-water mark, files all removed
+            wait_until(
+                lambda: budget.used <= high and not getattr(budget, "unlinking", 0)
+            )
+            assert budget.used <= 40 * page
+            if n >= 40:
+                assert budget.used >= low  # never below the low-water mark
+        assert disk_bytes(str(tmp_path)) <= high
+        assert budget.evicted_files >= 100 - 40
+        assert removers and set(removers) == {"vllm_kv_py_fs_budget"}, removers
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeypatch):
+    """The budget thread's file removal hangs (a stuck filesystem): stores
+    that need the room take over the removals it has not started, write,
+    and the files stay within max_bytes."""
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=20 * page)
+    budget = tier._budget
+    stuck, release = threading.Event(), threading.Event()
+    remove = os.remove
+
+    def hanging_remove(path, *args, **kwargs):
+        if threading.current_thread().name == "vllm_kv_py_fs_budget":
+            stuck.set()
+            release.wait(60)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", hanging_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [key(n) for n in range(20)], 0, rows)
+        assert stuck.wait(30)  # evicting ahead, stuck in its first removal
+        results = store_keys(tier, [key(100 + n) for n in range(10)], 20, rows)
+        assert all(r.success for r in results)
+        assert all(tier.lookup(key(100 + n), _CTX) for n in range(10))
+        assert disk_bytes(str(tmp_path)) <= 20 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_a_file_that_cannot_be_removed_is_counted_and_reported(tmp_path, caplog):
+    """An evicted file whose removal fails (here a directory in its place)
+    is counted and reported through the tier's failure report."""
+    rows = _aligned_rows(4)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=page)
+    budget = tier._budget
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [key(1)], 0, rows)
+        path1 = tier.file_mapper.get_file_name(key(1))
+        os.remove(path1)
+        os.mkdir(path1)
+        with caplog.at_level(logging.ERROR):
+            (result,) = store_keys(tier, [key(2)], 1, rows)
+            assert result.success
+            wait_until(lambda: getattr(budget, "removal_errors", 0) == 1)
+            tier.get_finished()
+        assert os.path.isdir(path1)
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("1 evicted block file(s) could not be removed" in m for m in lines)
+    finally:
+        tier.shutdown()
+
+
+def test_a_chunk_stored_during_the_scan_links_to_its_recovered_parent(
+    tmp_path, monkeypatch
+):
+    """A chunk stored while the start-up scan has not inserted its parent
+    (a file of an earlier run) is linked to it: the parent, once
+    inserted, has a kept child and is not evicted before it."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=8 * page)
+    try:
+        tier.touch([key(1), key(2)], _CTX)
+        store_keys(tier, [key(1), key(2)], 0, rows)
+        # the parent is the older file: inserted by the scan's second batch
+        now = time.time()
+        for n, age in ((1, 100), (2, 50)):
+            path = tier.file_mapper.get_file_name(key(n))
+            os.utime(path, (now - age, now - age))
+    finally:
+        tier.shutdown()
+    # one chunk per scan batch, the scan held after its first batch
+    paused, resume = threading.Event(), threading.Event()
+
+    class HeldTime:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            paused.set()
+            resume.wait(30)
+
+    monkeypatch.setattr(budget_module, "SCAN_BATCH", 1)
+    monkeypatch.setattr(budget_module, "time", HeldTime)
+    tier = make_tier(str(tmp_path), rows, max_bytes=8 * page)
+    budget = tier._budget
+    try:
+        assert paused.wait(30)
+        parent = key(1)[:-4]
+        assert budget._recovering is not None and parent in budget._recovering
+        # another prompt with the same first chunk
+        tier.touch([key(1), key(5)], _CTX)
+        (result,) = store_keys(tier, [key(5)], 10, rows)
+        assert result.success
+        assert budget._parent.get(key(5)[:-4]) == parent
+        resume.set()
+        assert budget.scan_done.wait(30)
+        # two kept children (key 2 from the journal, key 5): not a leaf
+        assert budget._chunks[parent] & budget_module.CHILDREN == (
+            2 * budget_module.CHILD
+        )
+        assert parent not in budget._leaves
+    finally:
+        resume.set()
+        tier.shutdown()

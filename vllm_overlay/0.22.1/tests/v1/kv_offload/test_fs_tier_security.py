@@ -110,6 +110,36 @@ def test_tier_creates_private_files_under_a_permissive_umask(
     assert {p: oct(m) for p, m in dirs.items()} == {p: oct(dir_mode) for p in dirs}
 
 
+@pytest.mark.parametrize(
+    ("config", "umask", "file_mode"),
+    [({"group_access": True}, 0o077, 0o640), ({}, 0o277, 0o600)],
+    ids=["group_access-umask-077", "private-umask-277"],
+)
+def test_block_files_get_their_mode_under_a_narrowing_umask(
+    tmp_path, config, umask, file_mode
+):
+    """A umask that clears bits of the tier's file mode (077, common for
+    service accounts, clears the group's read bit of 0640): block files still
+    get the exact mode, so the group's engines can read them. The tier skips
+    the fchmod per block only where the umask cannot narrow the mode."""
+    old = os.umask(umask)
+    try:
+        kv = rows(2)
+        tier = make_tier(tmp_path / "kv", kv, **config)
+        try:
+            tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+            assert [r.success for r in finish(tier)] == [True]
+        finally:
+            tier.shutdown()
+    finally:
+        os.umask(old)
+    blocks = {
+        p: oct(m) for p, m in modes_under(tmp_path / "kv").items() if p.endswith(".bin")
+    }
+    assert len(blocks) == 2, blocks
+    assert set(blocks.values()) == {oct(file_mode)}
+
+
 def test_group_access_must_be_a_bool(tmp_path):
     with pytest.raises(ValueError, match="group_access of the 'fs_python' tier"):
         make_tier(tmp_path, rows(2), group_access="yes")

@@ -23,61 +23,23 @@ import os
 import stat
 import threading
 import time
-from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
 
 import vllm.v1.kv_offload.tiering.fs.io as io_mod
+from tests.v1.kv_offload.tiering.test_fs_tier import (
+    _CTX,
+    _make_offloading_spec,
+    make_job,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
-    OffloadingKVEventsConfig,
     OffloadKey,
-    ReqContext,
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
-
-_CTX = ReqContext(req_id="test")
-
-
-def _spec() -> MagicMock:
-    spec = MagicMock()
-    spec.config = OffloadingConfig(
-        groups=(),
-        worker_kv_bytes_per_block=0,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="test-engine",
-        model=OffloadingModelConfig(name="test-model", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        replicated_layout=False,
-    )
-    spec.blocks_per_chunk = 1
-    spec.kv_events_config = OffloadingKVEventsConfig(
-        enable_kv_cache_events=False, self_describing_kv_events=False
-    )
-    return spec
 
 
 def key(n: int, group: int = 0) -> OffloadKey:
@@ -85,13 +47,7 @@ def key(n: int, group: int = 0) -> OffloadKey:
 
 
 def job(job_id: int, keys: list[OffloadKey], chunk_ids: list[int], load=False):
-    return TransferJob(
-        job_id=job_id,
-        keys=keys,
-        chunk_ids=np.array(chunk_ids, dtype=np.int64),
-        is_promotion=load,
-        req_context=_CTX,
-    )
+    return make_job(job_id, keys, chunk_ids, is_promotion=load)
 
 
 def rows(n_rows: int) -> np.ndarray:
@@ -102,7 +58,7 @@ def rows(n_rows: int) -> np.ndarray:
 
 def make_tier(root_dir, kv_rows: np.ndarray, **config) -> FileSystemTierManager:
     return FileSystemTierManager(
-        offloading_spec=_spec(),
+        offloading_spec=_make_offloading_spec(),
         primary_kv_view=memoryview(kv_rows),
         tier_type="fs",
         root_dir=str(root_dir),
@@ -515,7 +471,9 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog_vllm, io_path, keye
     try:
         # the attacker: the prefix's name as anyone computes it, without a key
         unkeyed = FileMapper.from_offloading_spec(
-            root_dir=str(root), offloading_spec=_spec(), parallel_agnostic=True
+            root_dir=str(root),
+            offloading_spec=_make_offloading_spec(),
+            parallel_agnostic=True,
         ).get_file_name(prefix)
         os.makedirs(os.path.dirname(unkeyed), exist_ok=True)
         with open(unkeyed, "wb") as f:

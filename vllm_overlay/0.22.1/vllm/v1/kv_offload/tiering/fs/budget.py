@@ -29,21 +29,39 @@ Where the order comes from:
     on no disk (evicted, or its store failed) could never hit from there:
     it is not written.
 
+Where the work runs:
+    The scheduler thread only posts events (a touch, a lookup() hit, a
+    store or load job, its end, the end of an engine step) to a queue: O(1)
+    per call, no lock, no filesystem call. The events are applied in order,
+    under one lock, by the first task of each store job to run (its
+    admission needs every event posted before it; a store never waits on
+    the budget thread), and by the budget thread (at least once per
+    JOURNAL_INTERVAL_S). Once the files and the stores in flight pass
+    HIGH_WATER percent of max_bytes, the budget thread evicts ahead down
+    to LOW_WATER percent (never below) and removes those files itself, so
+    a store rarely evicts and its tasks rarely remove files before writing.
+
 Invariants:
-    - used = the bytes of the indexed files plus those of stores in flight;
-      a store reserves its bytes (evicting first) before its files are
-      written, and each of its tasks removes its share of the evicted files
-      before it writes, so the tier's files never exceed max_bytes by more
-      than the writes of one store job. A store that does not fit once
-      everything evictable is gone fails for the keys that do not (the
-      chunks farthest from the prompt's start first).
+    - used + unlinking = the bytes of the indexed files, of the stores in
+      flight and of the files evicted ahead not removed yet; a store
+      reserves its bytes (evicting first, taking over the budget thread's
+      removals not started yet) before its files are written, and each of
+      its tasks removes its share of the files it evicted before it writes,
+      so the tier's files never exceed max_bytes by more than the writes of
+      one store job. A store that does not fit once everything evictable
+      is gone fails for the keys that do not (the chunks farthest from the
+      prompt's start first).
     - A chunk with a store or load in flight, or reported present by
-      lookup() since the tier's last get_finished() (a promotion the
-      tiering manager submits at the end of that step), is pinned: never
-      evicted under the transfer.
-    - Every scheduler-thread call is O(1) per key; start-up indexing, the
-      journal and removals (and their paths) run on other threads; a hit
-      costs the scheduler thread one append (pinned by the next eviction).
+      lookup() in an engine step whose end is not applied yet (a promotion
+      the tiering manager submits at the end of that step), is pinned:
+      never evicted under the transfer. Events apply in the scheduler's
+      order, so a store submitted in the step of a hit sees its pin; a
+      lookup() racing with an eviction either keeps its chunk (the hit is
+      read after the victims are marked) or answers a miss (the chunk
+      stays removing until the step after its files are gone).
+    - Start-up indexing, the journal, eviction ahead and removals (and
+      their paths) run on other threads; a removal that fails (not a file
+      already gone) is counted in the tier's rate-limited failure report.
     - The index is flat: a chunk is one int in a dict (flags, pins, kept
       children, group bitmask) and, when linked, one entry in a dict of
       parents; no Python object per chunk for the garbage collector, so a
@@ -58,7 +76,8 @@ Restart:
     anything stored since start) in batches of a few ms under the lock,
     pausing between them, and trims to the budget after each; the engine
     serves meanwhile (files not indexed yet are not counted until their
-    batch). Files written without a budget have no journal:
+    batch; a chunk stored meanwhile whose parent is such a file is linked
+    to it). Files written without a budget have no journal:
     their order is file time only, so the first trim may cut a prefix.
 
 Shared roots:
@@ -108,6 +127,18 @@ SCAN_PAUSE_S = 0.001
 # The budget's report (used bytes, evictions, rejections): at most one line
 # per interval, and only when something changed.
 REPORT_INTERVAL_S = 30.0
+# Evicting ahead: once the files and the stores in flight pass HIGH_WATER
+# percent of max_bytes, the budget thread evicts down to LOW_WATER percent
+# (never below) and removes the files, so that a store rarely evicts and its
+# tasks rarely remove files before they write.
+HIGH_WATER = 95
+LOW_WATER = 90
+# Events the scheduler thread posts before it wakes the budget thread to
+# apply them (the I/O threads apply them with each store job, the budget
+# thread at least once per JOURNAL_INTERVAL_S).
+MAX_EVENTS = 65536
+# The events
+_HIT, _TOUCH, _ADMIT, _STEP, _FINISH, _LOAD = range(6)
 
 
 # A chunk's state in the index is one int, so that the index holds no Python
@@ -127,6 +158,23 @@ Evicted = list[tuple[bytes, int]]
 # What finish_job() needs of a job: the chunks it pinned, and for a store the
 # group bitmask of the files it adds, per chunk (None for a load).
 JobTicket = tuple[list[bytes], dict[bytes, int] | None]
+
+
+class Admission:
+    """A store or load job's share of the budget: posted by the scheduler
+    thread, decided when its event is applied (see FsTierBudget._drain())."""
+
+    __slots__ = ("keys", "req_id", "result", "ticket")
+
+    def __init__(self, keys: Collection[OffloadKey], req_id: str | None) -> None:
+        self.keys = keys
+        self.req_id = req_id
+        # a store's: the keys that do not fit, the keys not worth writing,
+        # the evicted chunks whose files its tasks remove before they write
+        self.result: (
+            tuple[set[OffloadKey], set[OffloadKey], deque[tuple[bytes, int]]] | None
+        ) = None
+        self.ticket: JobTicket | None = None
 
 
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
@@ -160,8 +208,9 @@ def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
 
 class FsTierBudget:
     """The index, the eviction order and the start-up scan of a budgeted
-    fs_python tier (see the module docstring). Thread-safe: the scheduler
-    thread and the start-up scan share it under one lock."""
+    fs_python tier (see the module docstring). The scheduler thread only
+    posts events; the I/O threads and the budget thread apply them in order
+    under one lock."""
 
     def __init__(
         self,
@@ -174,6 +223,7 @@ class FsTierBudget:
         prefix_groups: Collection[int] | None = None,
         chunk_id: Callable[[bytes], bytes] | None = None,
         modes: FileModes = PRIVATE_MODES,
+        on_removal_errors: Callable[[int, str], None] | None = None,
     ) -> None:
         """prefix_groups: the KV cache groups a hit needs every earlier
         chunk of (full attention); None: every group. A key of such a group
@@ -184,10 +234,16 @@ class FsTierBudget:
         namespace's keyed hash; None: the block hash itself), and
         chunk_path maps it and a group index to the file's path. modes: the
         tier's file modes, which the journal gets too (it names the chunks
-        on disk)."""
+        on disk). on_removal_errors(count, last error): evicted files that
+        could not be removed (the tier's rate-limited failure report)."""
         self.max_bytes = max_bytes
         self.file_size = file_size
         self.used = 0
+        # evicted ahead, files not removed yet (counted against max_bytes)
+        self.unlinking = 0
+        self._high_water = max_bytes * HIGH_WATER // 100
+        self._low_water = max_bytes * LOW_WATER // 100
+        self._on_removal_errors = on_removal_errors
         self._rank_dir = rank_dir
         self._key_path = key_path
         self._chunk_path = chunk_path
@@ -210,10 +266,13 @@ class FsTierBudget:
         self._leaves: OrderedDict[bytes, None] = OrderedDict()
         # a key's 4-byte group suffix -> its bit in a group bitmask
         self._group_bits: dict[bytes, int] = {}
-        # keys lookup() found since the last get_finished(): pinned by the
-        # next eviction before it evicts (one append per hit on the
-        # scheduler thread), and the chunks they pinned
-        self._hits: deque[OffloadKey] = deque()
+        # what the scheduler thread posts (touches, hits, jobs, steps),
+        # applied in order by _drain(); the keys of its hits not drained yet
+        self._events: deque[tuple] = deque()
+        self._pending_hits: deque[OffloadKey] = deque()
+        # engine steps (get_finished() calls) so far, and the chunks that
+        # lookup() hits pinned in the current one
+        self._step = 0
         self._step_pins: list[bytes] = []
         # req_id -> {group suffix: the request's keys of it, in prompt order}
         self._orders: OrderedDict[str, dict[bytes, list]] = OrderedDict()
@@ -221,8 +280,13 @@ class FsTierBudget:
         # the connector appends to a live list between touches
         self._order_lens: dict[str, dict[bytes, int]] = {}
         self._order_keys = 0  # their keys, when last touched
-        # evicted chunks whose files the I/O threads have not removed yet
+        # evicted chunks whose files are being removed, or were removed
+        # during the current engine step (step, chunk); chunks evicted ahead
+        # whose files the budget thread has not started removing
         self._removing: set[bytes] = set()
+        self._unlinked: deque[tuple[int, bytes]] = deque()
+        self._to_unlink: deque[tuple[bytes, int]] = deque()
+        self.removal_errors = 0
         # the start-up scan's chunks not inserted yet (chunk id -> state);
         # None once the scan is done
         self._recovering: dict[bytes, int] | None = None
@@ -233,13 +297,15 @@ class FsTierBudget:
         self._reported = (0, 0, 0)
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
 
-        # journal records and the start-up scan run on this thread
+        # the start-up scan, eviction ahead and its removals, and the
+        # journal's records run on this thread
         self._journal_path = os.path.join(rank_dir, JOURNAL_NAME)
         # (chunk, parent) links not written yet; the thread writes them at
         # most once per JOURNAL_INTERVAL_S (or at once past JOURNAL_BATCH)
         self._journal_q: deque[tuple[bytes, bytes]] = deque()
         self._journal_records = 0
         self._wake = threading.Condition(threading.Lock())
+        self._kicked = False
         self._stop = False
         self.scan_done = threading.Event()
         self.scan_stats: tuple[int, int, int, float] | None = None
@@ -248,51 +314,166 @@ class FsTierBudget:
         )
         self._thread.start()
 
-    # ---- scheduler thread -------------------------------------------------
+    # ---- scheduler thread: O(1) per call, never the lock ------------------
 
     def note_order(self, req_id: str, keys: Collection[OffloadKey]) -> None:
         """touch(): keep the request's keys of one group, in prompt order."""
-        if not keys or not isinstance(keys, list):
-            return
-        with self._lock:
-            orders = self._orders.get(req_id)
-            if orders is None:
-                orders = self._orders[req_id] = {}
-                lens = self._order_lens[req_id] = {}
-            else:
-                self._orders.move_to_end(req_id)
-                lens = self._order_lens[req_id]
-            last = keys[-1]
-            g = last[-4:]
-            orders[g] = keys
-            # counted by length, not by list: the same list may have grown
-            self._order_keys += len(keys) - lens.get(g, 0)
-            lens[g] = len(keys)
-            while self._order_keys > MAX_TRACKED_KEYS and len(self._orders) > 1:
-                dropped, _ = self._orders.popitem(last=False)
-                self._order_keys -= sum(self._order_lens.pop(dropped).values())
-            # the prompt is in use: its deepest chunk on disk is recent
-            h = self._cid(last[:-4])
-            if h in self._leaves:
-                self._leaves.move_to_end(h)
+        if keys and isinstance(keys, list):
+            self._events.append((_TOUCH, req_id, keys))
 
     def on_hit(self, key: OffloadKey) -> None:
-        """lookup() found the key's file: pinned before anything is evicted
-        until the next get_finished(), by which time its promotion (if any)
-        is pinned."""
-        self._hits.append(key)
+        """lookup() found the key's file: pinned until the end of the step
+        (by then its promotion, if any, is pinned). Posted before lookup()
+        checks is_removing(): an eviction marks its victims removing before
+        it reads the hits not drained yet, so a lookup() racing with it
+        either keeps the chunk or answers a miss."""
+        self._pending_hits.append(key)
+        self._events.append((_HIT, key))
 
-    def admit_store(
-        self, keys: Collection[OffloadKey], req_id: str
-    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted, JobTicket]:
-        """Reserve room for a store job's new files, evicting first.
+    def admit_store(self, keys: Collection[OffloadKey], req_id: str) -> "Admission":
+        """A store job's admission: decided, in order with the other events,
+        by the first of its tasks to run (see admitted())."""
+        job = Admission(keys, req_id)
+        self._events.append((_ADMIT, job))
+        return job
 
-        Returns the keys that do not fit (not to be written: the chunks
-        nearest the prompt's start are admitted first), the keys not worth
-        writing (the chunk before them in their prompt is not on disk, so
-        they could never hit from it), the evicted chunks (their files to be
-        removed before the job's writes, see remove_evicted()), and the
-        job's ticket for finish_job(): its pinned chunks and new files."""
+    def pin_load(self, keys: Collection[OffloadKey]) -> "Admission":
+        """A load job's chunks, pinned until finish_job()."""
+        job = Admission(keys, None)
+        self._events.append((_LOAD, job))
+        return job
+
+    def finish_job(self, job: "Admission", failed: Iterable[OffloadKey]) -> None:
+        """A store or load job finished: forget the files of its failed keys
+        (a failed store did not write its new files, a failed load removed
+        its file) and unpin its chunks."""
+        self._events.append((_FINISH, job, failed))
+
+    def end_step(self) -> None:
+        """get_finished(): release lookup()'s pins of the step; wake the
+        budget thread when events or journal records pile up."""
+        self._step += 1
+        events = self._events
+        events.append((_STEP,))
+        if len(events) > MAX_EVENTS or len(self._journal_q) > JOURNAL_BATCH:
+            self._kick()
+        if time.monotonic() >= self._next_report:
+            self._report()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+        with self._lock:
+            self._drain()
+        self._report(force=True)
+
+    # ---- I/O threads --------------------------------------------------------
+
+    def admitted(
+        self, job: "Admission"
+    ) -> tuple[set[OffloadKey], set[OffloadKey], deque[tuple[bytes, int]]]:
+        """A store task's first step: its job's admission (the keys that do
+        not fit, the keys not worth writing, the evicted chunks whose files
+        its tasks remove before their writes, see _admit()). The thread that
+        gets the lock first applies the events posted before it (not those
+        after: their jobs' tasks do): a store never waits on the budget
+        thread, only on a bounded drain."""
+        if job.result is None:
+            with self._lock:
+                self._drain(job)
+            if self.used > self._high_water:
+                self._kick()  # evict ahead, off the write path
+        assert job.result is not None
+        return job.result
+
+    def remove_evicted(self, evicted: Evicted) -> None:
+        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
+        self._remove_files(self._paths(evicted))
+        self._removed(evicted)
+
+    def is_removing(self, key: OffloadKey) -> bool:
+        """lookup(): the key's chunk was evicted and its files are being
+        removed, or were removed during this engine step (a miss: its load
+        would fail)."""
+        return bool(self._removing) and self._cid(key[:-4]) in self._removing
+
+    def _removed(self, evicted: Evicted) -> None:
+        # no longer a miss from the next engine step on: a lookup() that
+        # found the file before its removal checks is_removing() after
+        step = self._step
+        self._unlinked.extend((step, h) for h, _ in evicted)
+
+    # ---- the events, in order (under self._lock) ---------------------------
+
+    def _drain(self, until: Admission | None = None) -> None:
+        """Apply the events posted so far, or up to until's admission."""
+        events = self._events
+        while events and (until is None or until.result is None):
+            event = events.popleft()
+            kind = event[0]
+            if kind == _HIT:
+                self._pending_hits.popleft()
+                h = self._cid(event[1][:-4])
+                state = self._chunks.get(h)
+                if state is not None:
+                    self._chunks[h] = state + PIN
+                    self._step_pins.append(h)
+            elif kind == _TOUCH:
+                self._note_order(event[1], event[2])
+            elif kind == _ADMIT:
+                self._admit(event[1])
+            elif kind == _STEP:
+                for h in self._step_pins:
+                    self._unpin(h)
+                self._step_pins.clear()
+                self._forget_removed()
+            elif kind == _FINISH:
+                self._finish(event[1], event[2])
+            else:
+                job = event[1]
+                job.ticket = (self._pin(job.keys), None)
+
+    def _forget_removed(self) -> None:
+        """Chunks whose files were removed before this engine step: no longer
+        reported removing (lookup() misses their files)."""
+        unlinked, step = self._unlinked, self._step
+        while unlinked and unlinked[0][0] < step:
+            self._removing.discard(unlinked.popleft()[1])
+
+    def _note_order(self, req_id: str, keys: list) -> None:
+        orders = self._orders.get(req_id)
+        if orders is None:
+            orders = self._orders[req_id] = {}
+            lens = self._order_lens[req_id] = {}
+        else:
+            self._orders.move_to_end(req_id)
+            lens = self._order_lens[req_id]
+        last = keys[-1]
+        g = last[-4:]
+        orders[g] = keys
+        # counted by length, not by list: the same list may have grown
+        self._order_keys += len(keys) - lens.get(g, 0)
+        lens[g] = len(keys)
+        while self._order_keys > MAX_TRACKED_KEYS and len(self._orders) > 1:
+            dropped, _ = self._orders.popitem(last=False)
+            self._order_keys -= sum(self._order_lens.pop(dropped).values())
+        # the prompt is in use: its deepest chunk on disk is recent
+        h = self._cid(last[:-4])
+        if h in self._leaves:
+            self._leaves.move_to_end(h)
+
+    def _admit(self, admission: "Admission") -> None:
+        """Reserve room for a store job's new files, evicting first: sets
+        the job's result (the keys that do not fit, not to be written: the
+        chunks nearest the prompt's start are admitted first; the keys not
+        worth writing: the chunk before them in their prompt is not on
+        disk, so they could never hit from it; the evicted chunks, whose
+        files its tasks remove before their writes) and its ticket for
+        finish_job() (its pinned chunks and new files)."""
+        req_id = admission.req_id
+        keys = admission.keys
         gbits = self._group_bits
         # the job's chunks: chunk id -> group bitmask of its keys
         job: dict[bytes, int] = {}
@@ -313,99 +494,103 @@ class FsTierBudget:
                 if h is None:
                     h = ids[raw] = self._chunk_id(raw)
                 job[h] = job.get(h, 0) | bit
-        with self._lock:
-            chunks = self._chunks
-            pinned: list[bytes] = []
-            # chunk id -> group bitmask of the job's new files
-            new: dict[bytes, int] = {}
-            # evicted chunks whose files are not removed yet: not written
-            # now (the removal would delete the new files); a miss until
-            # stored again
-            removing: dict[bytes, int] = {}
-            for h, bits in job.items():
-                if h in self._removing:
-                    removing[h] = bits
-                    continue
-                state = chunks.get(h)
-                if state is None:
-                    new[h] = bits
-                    continue
-                chunks[h] = state + PIN
-                pinned.append(h)
-                missing = bits & ~(state >> GROUPS)
-                if missing:
-                    new[h] = missing
-            parents, positions, orphans = self._find_parents(new, ids, req_id)
-            unreachable: dict[bytes, int] = {}
-            for h, bit, prev in orphans:
-                # not indexed here: on disk only if another engine stored it
-                if not os.path.exists(self._key_path(prev)):
-                    unreachable[h] = unreachable.get(h, 0) | bit
-            if unreachable:
-                # and so are the chunks after them in the job
-                gone = set(unreachable)
-                for h in sorted(new, key=_by_position(positions)):
-                    parent = parents.get(h)
-                    if parent in gone and parent not in chunks:
-                        unreachable[h] = new[h]
-                        gone.add(h)
-                for h, bits in unreachable.items():
-                    rest = new[h] & ~bits
-                    if rest:
-                        new[h] = rest
-                    else:
-                        del new[h]
-                self.unreachable_files += sum(
-                    b.bit_count() for b in unreachable.values()
-                )
-            # indexed parents stay while their new children are written
-            for h in new:
+        chunks = self._chunks
+        pinned: list[bytes] = []
+        # chunk id -> group bitmask of the job's new files
+        new: dict[bytes, int] = {}
+        # evicted chunks whose files are not removed yet: not written
+        # now (the removal would delete the new files); a miss until
+        # stored again
+        removing: dict[bytes, int] = {}
+        for h, bits in job.items():
+            if h in self._removing:
+                removing[h] = bits
+                continue
+            state = chunks.get(h)
+            if state is None:
+                new[h] = bits
+                continue
+            chunks[h] = state + PIN
+            pinned.append(h)
+            missing = bits & ~(state >> GROUPS)
+            if missing:
+                new[h] = missing
+        parents, positions, orphans = self._find_parents(new, ids, req_id)
+        unreachable: dict[bytes, int] = {}
+        for h, bit, prev in orphans:
+            # not indexed here: on disk only if another engine stored it
+            if not os.path.exists(self._key_path(prev)):
+                unreachable[h] = unreachable.get(h, 0) | bit
+        if unreachable:
+            # and so are the chunks after them in the job
+            gone = set(unreachable)
+            for h in sorted(new, key=_by_position(positions)):
                 parent = parents.get(h)
-                if parent is not None and parent not in new:
+                if parent in gone and parent not in chunks:
+                    unreachable[h] = new[h]
+                    gone.add(h)
+            for h, bits in unreachable.items():
+                rest = new[h] & ~bits
+                if rest:
+                    new[h] = rest
+                else:
+                    del new[h]
+            self.unreachable_files += sum(b.bit_count() for b in unreachable.values())
+        # indexed parents stay while their new children are written
+        for h in new:
+            parent = parents.get(h)
+            if parent is not None and parent not in new:
+                state = chunks.get(parent)
+                if state is not None:
+                    chunks[parent] = state + PIN
+                    pinned.append(parent)
+        file_size = self.file_size
+        nfiles = sum(b.bit_count() for b in new.values())
+        evicted = self._evict(nfiles * file_size)
+        room = max(0, (self.max_bytes - self.used - self.unlinking) // file_size)
+        rejected: dict[bytes, int] = {}
+        if nfiles > room:
+            # keep the chunks nearest the start of their prompt
+            for h in sorted(new, key=_by_position(positions)):
+                n = new[h].bit_count()
+                if n <= room:
+                    room -= n
+                else:
+                    room = -1
+                    rejected[h] = new.pop(h)
+                    nfiles -= n
+            self.rejected_files += sum(b.bit_count() for b in rejected.values())
+        created: list[bytes] = []
+        for h, bits in new.items():
+            state = chunks.get(h)
+            if state is None:
+                state = PIN
+                pinned.append(h)
+                created.append(h)
+            chunks[h] = state | bits << GROUPS
+        self.used += nfiles * file_size
+        # link the new chunks to their parents (indexed, or new here)
+        if parents:
+            parent_of = self._parent
+            leaves = self._leaves
+            journal = self._journal_q
+            recovering = self._recovering
+            for h in created:
+                parent = parents.get(h)
+                if parent is not None:
                     state = chunks.get(parent)
                     if state is not None:
-                        chunks[parent] = state + PIN
-                        pinned.append(parent)
-            file_size = self.file_size
-            nfiles = sum(b.bit_count() for b in new.values())
-            evicted = self._evict(nfiles * file_size)
-            room = max(0, (self.max_bytes - self.used) // file_size)
-            rejected: dict[bytes, int] = {}
-            if nfiles > room:
-                # keep the chunks nearest the start of their prompt
-                for h in sorted(new, key=_by_position(positions)):
-                    n = new[h].bit_count()
-                    if n <= room:
-                        room -= n
-                    else:
-                        room = -1
-                        rejected[h] = new.pop(h)
-                        nfiles -= n
-                self.rejected_files += sum(b.bit_count() for b in rejected.values())
-            created: list[bytes] = []
-            for h, bits in new.items():
-                state = chunks.get(h)
-                if state is None:
-                    state = PIN
-                    pinned.append(h)
-                    created.append(h)
-                chunks[h] = state | bits << GROUPS
-            self.used += nfiles * file_size
-            # link the new chunks to their parents (indexed, or new here)
-            if parents:
-                parent_of = self._parent
-                leaves = self._leaves
-                journal = self._journal_q
-                for h in created:
-                    parent = parents.get(h)
-                    if parent is not None:
-                        state = chunks.get(parent)
-                        if state is not None:
-                            parent_of[h] = parent
-                            chunks[parent] = state + CHILD
-                            if not state & CHILDREN:
-                                leaves.pop(parent, None)
-                            journal.append((h, parent))
+                        parent_of[h] = parent
+                        chunks[parent] = state + CHILD
+                        if not state & CHILDREN:
+                            leaves.pop(parent, None)
+                        journal.append((h, parent))
+                    elif recovering is not None and parent in recovering:
+                        # found by the start-up scan, inserted later with
+                        # this child counted (not a leaf before it)
+                        parent_of[h] = parent
+                        recovering[parent] += CHILD
+                        journal.append((h, parent))
         rejected_keys: set[OffloadKey] = set()
         unreachable_keys: set[OffloadKey] = set()
         unreachable.update(removing)
@@ -417,77 +602,35 @@ class FsTierBudget:
                     rejected_keys.add(k)
                 elif unreachable.get(h, 0) & bit:
                     unreachable_keys.add(k)
-        return rejected_keys, unreachable_keys, evicted, (pinned, new)
+        admission.ticket = (pinned, new)
+        admission.result = (rejected_keys, unreachable_keys, deque(evicted))
 
-    def pin_load(self, keys: Collection[OffloadKey]) -> JobTicket:
-        """A load job's chunks, pinned until finish_job()."""
+    def _pin(self, keys: Collection[OffloadKey]) -> list[bytes]:
         pinned: list[bytes] = []
-        hashes = {self._cid(k[:-4]) for k in keys}
-        with self._lock:
-            chunks = self._chunks
-            for h in hashes:
-                state = chunks.get(h)
-                if state is not None:
-                    chunks[h] = state + PIN
-                    pinned.append(h)
-        return pinned, None
+        chunks = self._chunks
+        for h in {self._cid(k[:-4]) for k in keys}:
+            state = chunks.get(h)
+            if state is not None:
+                chunks[h] = state + PIN
+                pinned.append(h)
+        return pinned
 
-    def finish_job(self, ticket: JobTicket, failed: Iterable[OffloadKey]) -> None:
-        """A store or load job finished: forget the files of its failed keys
-        (a failed store did not write its new files, a failed load removed
-        its file) and unpin its chunks."""
-        pinned, new = ticket
-        with self._lock:
-            chunks = self._chunks
-            for k in failed:
-                h = self._cid(k[:-4])
-                bit = self._group_bit(k[-4:])
-                if new is not None and not new.get(h, 0) & bit:
-                    continue  # the file it failed to store over is still there
-                state = chunks.get(h)
-                if state is not None and state >> GROUPS & bit:
-                    chunks[h] = state - (bit << GROUPS)
-                    self.used -= self.file_size
-            for h in pinned:
-                self._unpin(h)
-
-    def end_step(self) -> None:
-        """get_finished(): release lookup()'s pins; wake the journal."""
-        if self._step_pins or self._hits:
-            with self._lock:
-                # not pinned yet: nothing was evicted since their lookup
-                self._hits.clear()
-                for h in self._step_pins:
-                    self._unpin(h)
-                self._step_pins.clear()
-        if len(self._journal_q) > JOURNAL_BATCH:
-            with self._wake:
-                self._wake.notify()
-        if time.monotonic() >= self._next_report:
-            self._report()
-
-    def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join()
-        self._report(force=True)
-
-    # ---- I/O threads --------------------------------------------------------
-
-    def remove_evicted(self, evicted: Evicted) -> None:
-        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
-        self._remove_files(self._paths(evicted))
-        self._removed(evicted)
-
-    def is_removing(self, key: OffloadKey) -> bool:
-        """lookup(): the key's chunk was evicted and its files are being
-        removed (a miss: its load would fail)."""
-        return bool(self._removing) and self._cid(key[:-4]) in self._removing
-
-    def _removed(self, evicted: Evicted) -> None:
-        with self._lock:
-            self._removing.difference_update(h for h, _ in evicted)
+    def _finish(self, job: "Admission", failed: Iterable[OffloadKey]) -> None:
+        if job.ticket is None:
+            return  # never admitted (its tasks were dropped at shutdown)
+        pinned, new = job.ticket
+        chunks = self._chunks
+        for k in failed:
+            h = self._cid(k[:-4])
+            bit = self._group_bit(k[-4:])
+            if new is not None and not new.get(h, 0) & bit:
+                continue  # the file it failed to store over is still there
+            state = chunks.get(h)
+            if state is not None and state >> GROUPS & bit:
+                chunks[h] = state - (bit << GROUPS)
+                self.used -= self.file_size
+        for h in pinned:
+            self._unpin(h)
 
     # ---- internals (under self._lock) --------------------------------------
 
@@ -521,6 +664,7 @@ class FsTierBudget:
         if orders is None or not new:
             return parents, positions, orphans
         chunks = self._chunks
+        recovering = self._recovering
         prefix_groups = self._prefix_groups
         # the finest group first: its predecessor is the closest (groups of
         # larger blocks skip the chunks between theirs)
@@ -544,7 +688,11 @@ class FsTierBudget:
                         prev = order[i - 1][:-4]
                         if ids is not None:
                             prev = ids.get(prev) or self._cid(prev)
-                        if prev in chunks or prev in new:
+                        if (
+                            prev in chunks
+                            or prev in new
+                            or (recovering is not None and prev in recovering)
+                        ):
                             parents.setdefault(h, prev)
                         elif needs_prefix:
                             orphans.append((h, bit, order[i - 1]))
@@ -564,17 +712,6 @@ class FsTierBudget:
             else:  # its files failed: nothing left to keep
                 self._remove_chunk(h, state)
 
-    def _pin_hits(self) -> None:
-        """Pin the chunks of lookup()'s hits since the last pinning."""
-        hits = self._hits
-        chunks = self._chunks
-        while hits:
-            h = self._cid(hits.popleft()[:-4])
-            state = chunks.get(h)
-            if state is not None:
-                chunks[h] = state + PIN
-                self._step_pins.append(h)
-
     def _remove_chunk(self, h: bytes, state: int) -> None:
         chunks = self._chunks
         del chunks[h]
@@ -584,7 +721,7 @@ class FsTierBudget:
         if parent is None:
             return
         recovering = self._recovering
-        if state & RECOVERED and recovering is not None and parent in recovering:
+        if recovering is not None and parent in recovering:
             recovering[parent] -= CHILD  # the parent is not inserted yet
             return
         self._drop_child(parent)
@@ -600,24 +737,72 @@ class FsTierBudget:
             self._leaves[parent] = None
             self._leaves.move_to_end(parent, last=False)
 
-    def _evict(self, need: int) -> Evicted:
-        """Evict leaves, least recent first, until need more bytes fit.
-        Returns the evicted chunks."""
-        self._pin_hits()
+    def _evict(self, need: int, low: int | None = None) -> Evicted:
+        """Evict until need more bytes fit in max_bytes, taking over first
+        the budget thread's removals not started yet; or, with low (the
+        budget thread evicting ahead), down to low bytes and never below.
+        Leaves go least recent first, each marked removing before the hits
+        not drained yet are read: a victim lookup() just found is kept (see
+        on_hit()). Returns the evicted chunks; the caller removes their
+        files."""
         evicted: Evicted = []
+        file_size = self.file_size
+        if low is None:
+            queue = self._to_unlink
+            while self.used + self.unlinking + need > self.max_bytes:
+                try:  # the budget thread takes from the other end
+                    h, groups = queue.pop()
+                except IndexError:
+                    break
+                self.unlinking -= groups.bit_count() * file_size
+                evicted.append((h, groups))
+            low = self.max_bytes - need
+            floor = False
+            extra = self.unlinking
+        else:
+            # ahead: the files being removed are as good as gone
+            floor = True
+            extra = 0
         leaves = self._leaves
         chunks = self._chunks
+        removing = self._removing
+        hit: set[bytes] = set()
+        checked = 0  # pending hits already in `hit`
         files = 0
-        while self.used + need > self.max_bytes and leaves:
-            h, _ = leaves.popitem(last=False)
-            state = chunks.get(h)
-            if state is None or state & (PINS | CHILDREN):
-                continue  # pinned: listed again when unpinned
-            groups = state >> GROUPS
-            evicted.append((h, groups))
-            self._removing.add(h)
-            files += groups.bit_count()
-            self._remove_chunk(h, state)
+        while leaves and self.used + extra > low:
+            excess = self.used + extra - low
+            victims: list[bytes] = []
+            while excess > 0 and leaves:
+                h, _ = leaves.popitem(last=False)
+                state = chunks.get(h)
+                if state is None or state & (PINS | CHILDREN):
+                    continue  # pinned: listed again when unpinned
+                size = (state >> GROUPS).bit_count() * file_size
+                if floor and size > excess:
+                    leaves[h] = None
+                    leaves.move_to_end(h, last=False)
+                    break
+                removing.add(h)
+                victims.append(h)
+                excess -= size
+            if not victims:
+                break
+            pending = list(self._pending_hits)
+            for k in pending[checked:]:
+                hit.add(self._cid(k[:-4]))
+            checked = len(pending)
+            for h in victims:
+                state = chunks[h]
+                if h in hit:  # found by a lookup() meanwhile: kept
+                    removing.discard(h)
+                    leaves[h] = None
+                    continue
+                groups = state >> GROUPS
+                evicted.append((h, groups))
+                files += groups.bit_count()
+                self._remove_chunk(h, state)
+            if hit.issuperset(victims):
+                break
         self.evicted_files += files
         return evicted
 
@@ -631,16 +816,16 @@ class FsTierBudget:
 
     def _report(self, force: bool = False) -> None:
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
-        now = (self.used, self.evicted_files, self.rejected_files)
+        now = (self.used + self.unlinking, self.evicted_files, self.rejected_files)
         if now == self._reported and not force:
             return
         logger.info(
             "%s: %d of max_bytes=%d bytes used (%d files), %d files evicted "
             "and %d rejected since the previous report (%d and %d since start)",
             self._label,
-            self.used,
+            now[0],
             self.max_bytes,
-            self.used // self.file_size,
+            now[0] // self.file_size,
             self.evicted_files - self._reported[1],
             self.rejected_files - self._reported[2],
             self.evicted_files,
@@ -648,7 +833,12 @@ class FsTierBudget:
         )
         self._reported = now
 
-    # ---- budget thread: the start-up scan and the journal -----------------
+    # ---- budget thread: the start-up scan, eviction ahead, the journal ---
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._kicked = True
+            self._wake.notify()
 
     def _run(self) -> None:
         try:
@@ -659,11 +849,36 @@ class FsTierBudget:
             self.scan_done.set()
         while True:
             with self._wake:
-                self._wake.wait(JOURNAL_INTERVAL_S)
+                if not (self._kicked or self._stop):
+                    self._wake.wait(JOURNAL_INTERVAL_S)
+                self._kicked = False
                 stop = self._stop
+            with self._lock:
+                self._drain()
+                self._forget_removed()
+                if self.used > self._high_water:
+                    file_size = self.file_size
+                    for h, groups in self._evict(0, self._low_water):
+                        self._to_unlink.append((h, groups))
+                        self.unlinking += groups.bit_count() * file_size
+            self._unlink_ahead()
             self._write_journal()
             if stop:
                 return
+
+    def _unlink_ahead(self) -> None:
+        """Remove the files of the chunks evicted ahead, one chunk at a time
+        (a store that needs the room first takes over the rest)."""
+        queue = self._to_unlink
+        while not self._stop:
+            try:
+                evicted = [queue.popleft()]
+            except IndexError:
+                return
+            self._remove_files(self._paths(evicted))
+            with self._lock:
+                self.unlinking -= evicted[0][1].bit_count() * self.file_size
+            self._removed(evicted)
 
     def _write_journal(self) -> None:
         q = self._journal_q
@@ -771,6 +986,7 @@ class FsTierBudget:
                 if self._stop:
                     return
                 with self._lock:
+                    self._drain()
                     for h in order[i : i + SCAN_BATCH]:
                         self._insert_recovered(h, found.pop(h), links.get(h))
                     evicted = self._evict(0)
@@ -821,13 +1037,25 @@ class FsTierBudget:
             self._leaves.move_to_end(h, last=False)
 
     def _remove_files(self, paths: Iterable[str]) -> int:
-        n = 0
+        """Remove files; returns how many were. A file already gone was
+        removed by another engine or never written; other failures (a
+        directory, a read-only mount) are counted and reported."""
+        n = errors = 0
+        error = ""
         for path in paths:
             try:
                 os.remove(path)
                 n += 1
-            except OSError:  # removed by another engine, or never written
+            except FileNotFoundError:
                 pass
+            except OSError as e:
+                errors += 1
+                error = str(e)
+        if errors:
+            with self._lock:
+                self.removal_errors += errors
+            if self._on_removal_errors is not None:
+                self._on_removal_errors(errors, error)
         return n
 
 

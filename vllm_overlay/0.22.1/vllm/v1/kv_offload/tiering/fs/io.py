@@ -94,6 +94,22 @@ PRIVATE_MODES = FileModes(file=0o600, dir=0o700)
 GROUP_MODES = FileModes(file=0o640, dir=0o2770)
 
 
+def umask_narrows(mode: int) -> bool:
+    """Whether the process umask clears bits of *mode*: only then does a file
+    created with *mode* need an fchmod to get it exactly (the umask only ever
+    clears bits, so it never makes a file more open). Read from /proc, as
+    os.umask() can only be read by setting it, racing other threads; True
+    where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return bool(int(line.split()[1], 8) & mode)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
 def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
     """Create *path* and its missing parents with modes.dir (os.makedirs
     gives the parents 0o777 & ~umask). Returns whether any was created."""
@@ -387,6 +403,7 @@ def store_block(
     checksum: BlockChecksum | None = None,
     on_new_dir: Callable[[], None] | None = None,
     modes: FileModes = PRIVATE_MODES,
+    chmod: bool = True,
 ) -> None:
     """
     Store callback: Writes to a temp file then atomically replaces the destination.
@@ -401,7 +418,12 @@ def store_block(
     replaced. With a checksum, the file holds the block followed by the
     checksum's trailer (of *key* and the block). *on_new_dir* is called
     after the block's directory had to be created. Files and directories
-    are created with *modes*.
+    are created with *modes*; chmod=False skips the fchmod that sets the
+    file's mode exactly where the umask cannot narrow it (umask_narrows()).
+
+    A store costs its syscalls (each also a GIL hand-over between the I/O
+    threads): the directory is looked at only when the temp file cannot be
+    created in it.
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
     try:
@@ -422,8 +444,6 @@ def store_block(
                 ) from None
 
     tmp_path = dest_path + _get_tmp_suffix()
-    # Ensure parent directories exist
-    _ensure_dirs(dest_path, on_new_dir, modes)
 
     # Write block atomically. Cast to a flat byte view so the slice uses byte
     # indices; the raw memoryview may be multi-dimensional with itemsize > 1.
@@ -434,19 +454,17 @@ def store_block(
         trailer[:] = bytes(len(trailer))
         trailer[: checksum.digest_size] = checksum.compute(key, view_slice)
         chunks.append(trailer)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     try:
-        fd = os.open(
-            tmp_path,
-            os.O_CREAT
-            | os.O_EXCL
-            | os.O_WRONLY
-            | os.O_TRUNC
-            | (O_DIRECT if direct_io else 0),
-            modes.file,
-        )
+        try:
+            fd = os.open(tmp_path, flags, modes.file)
+        except FileNotFoundError:  # the block's directory is missing
+            _ensure_dirs(dest_path, on_new_dir, modes)
+            fd = os.open(tmp_path, flags, modes.file)
         try:
             _check_opened_at(fd, tmp_path)
-            os.fchmod(fd, modes.file)  # exact, whatever the umask
+            if chmod:
+                os.fchmod(fd, modes.file)  # exact, whatever the umask
             written = os.writev(fd, chunks)
             if written < file_size:
                 raise OSError(

@@ -84,9 +84,8 @@ from vllm.v1.kv_offload.tiering.base import (
     SecondaryTierManager,
 )
 from vllm.v1.kv_offload.tiering.fs.budget import (
-    Evicted,
+    Admission,
     FsTierBudget,
-    JobTicket,
     validate_max_bytes,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
@@ -100,6 +99,7 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     probe_direct_io,
     scan_tier_files,
     store_block,
+    umask_narrows,
     write_file_atomically,
 )
 from vllm.v1.kv_offload.tiering.fs.security import check_root_dir, load_key_file
@@ -109,11 +109,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = init_logger(__name__)
-
-
-def _skip() -> None:
-    """The store task of a block the budget does not keep: the chunk before
-    it in its prompt is not on disk, so it could never hit from there."""
 
 
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
@@ -201,6 +196,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"got {group_access!r}"
             )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
+        # block files need an fchmod only where the umask at start-up narrows
+        # their mode (a later umask can only make new files more private)
+        self._chmod_files = umask_narrows(self._modes.file)
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
         root_dir = check_root_dir(root_dir, tier_type, group_access)
@@ -307,7 +305,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self._rewrites: dict[JobId, list[OffloadKey]] = {}
         self._load_jobs: set[JobId] = set()
         # what each job holds of the budget (see FsTierBudget.finish_job())
-        self._budget_tickets: dict[JobId, JobTicket] = {}
+        self._budget_tickets: dict[JobId, Admission] = {}
 
         self._pool = DualQueueThreadPool(
             n_read_threads,
@@ -361,6 +359,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 or None,
                 chunk_id=chunk_id,
                 modes=self._modes,
+                on_removal_errors=self._pool.record_removal_errors,
             )
             logger.info(
                 "fs_python tier at %s: max_bytes=%d (%d chunk files of %d "
@@ -464,8 +463,6 @@ class FileSystemTierManager(SecondaryTierManager):
     ) -> bool | None:
         if key in self._unloadable:
             return False
-        if self._budget is not None and self._budget.is_removing(key):
-            return False  # evicted: its file is about to be removed
         try:
             st = os.lstat(self.file_mapper.get_file_name(key))
         except OSError:
@@ -473,9 +470,14 @@ class FileSystemTierManager(SecondaryTierManager):
         # a symbolic link is never read through (load_block: O_NOFOLLOW)
         if stat.S_ISLNK(st.st_mode):
             return False
-        if self._budget is not None:
-            # kept until the promotion the tiering manager submits for it
-            self._budget.on_hit(key)
+        budget = self._budget
+        if budget is not None:
+            # kept until the promotion the tiering manager submits for it;
+            # posted first: an eviction racing with this lookup either sees
+            # the hit or has marked the chunk removing (a miss)
+            budget.on_hit(key)
+            if budget.is_removing(key):
+                return False  # evicted: its file is about to be removed
         return True
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -517,14 +519,37 @@ class FileSystemTierManager(SecondaryTierManager):
 
         return run
 
-    @staticmethod
-    def _after_removals(
-        remove: Callable[[Evicted], None],
-        evicted: Evicted,
-        task: Callable[[], None],
+    def _store_admitted(
+        self, job: Admission, key: OffloadKey, block_id: int, rewrite: bool
     ) -> None:
-        remove(evicted)
-        task()
+        """A store task of a budgeted tier: its job's admission first (on
+        this I/O thread, not the scheduler's), then its share of the evicted
+        chunks' files removed, then its write."""
+        assert self._budget is not None
+        rejected, unreachable, evicted = self._budget.admitted(job)
+        if rejected and key in rejected:
+            self._reject(key)
+        if unreachable and key in unreachable:
+            return  # its prefix is not on disk: it could never hit
+        if evicted:
+            share = []
+            with contextlib.suppress(IndexError):
+                for _ in range(REMOVALS_PER_TASK):
+                    share.append(evicted.popleft())
+            self._budget.remove_evicted(share)
+        store_block(
+            self.file_mapper.get_file_name(key),
+            self._primary_kv_view,
+            block_id * self._block_size,
+            self._block_size,
+            self._direct_io,
+            rewrite,
+            key,
+            self._checksum,
+            self._on_new_dir,
+            self._modes,
+            self._chmod_files,
+        )
 
     def _reject(self, key: OffloadKey) -> None:
         raise OSError(
@@ -535,35 +560,39 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         unloadable = self._unloadable
-        rejected: Collection[OffloadKey] = ()
-        unreachable: Collection[OffloadKey] = ()
-        evicted: Evicted = []
+        tasks: Iterable[Callable[[], None]]
         if self._budget is not None:
-            # reserve the job's bytes (evicting first), pin its chunks
-            rejected, unreachable, evicted, ticket = self._budget.admit_store(
+            # the job's admission (reserving its bytes, evicting first,
+            # pinning its chunks) is decided by its first task to run
+            job = self._budget.admit_store(
                 job_metadata.keys, job_metadata.req_context.req_id
             )
-            self._budget_tickets[job_metadata.job_id] = ticket
-        tasks: Iterable[Callable[[], None]] = (
-            functools.partial(self._reject, key)
-            if rejected and key in rejected
-            else _skip
-            if unreachable and key in unreachable
-            else functools.partial(
-                store_block,
-                self.file_mapper.get_file_name(key),
-                self._primary_kv_view,
-                int(bid) * self._block_size,
-                self._block_size,
-                self._direct_io,
-                key in unloadable,
-                key,
-                self._checksum,
-                self._on_new_dir,
-                self._modes,
+            self._budget_tickets[job_metadata.job_id] = job
+            store = self._store_admitted
+            tasks = (
+                functools.partial(
+                    store, job, key, int(bid), bool(unloadable) and key in unloadable
+                )
+                for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
             )
-            for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
-        )
+        else:
+            tasks = (
+                functools.partial(
+                    store_block,
+                    self.file_mapper.get_file_name(key),
+                    self._primary_kv_view,
+                    int(bid) * self._block_size,
+                    self._block_size,
+                    self._direct_io,
+                    key in unloadable,
+                    key,
+                    self._checksum,
+                    self._on_new_dir,
+                    self._modes,
+                    self._chmod_files,
+                )
+                for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
+            )
         reprobe_at = self._reprobe_at
         if (
             reprobe_at is not None
@@ -574,18 +603,6 @@ class FileSystemTierManager(SecondaryTierManager):
             self._reprobe_at = None
             tasks = (
                 self._with_reprobe(t) if i == 0 else t for i, t in enumerate(tasks)
-            )
-        if evicted and self._budget is not None:
-            # the first tasks first remove a share each of the evicted chunks'
-            # files (paths made there, off the scheduler thread): a wrapper per
-            # REMOVALS_PER_TASK chunks, not per chunk
-            n = min(len(job_metadata.keys), -(-len(evicted) // REMOVALS_PER_TASK))
-            remove = self._budget.remove_evicted
-            tasks = (
-                functools.partial(self._after_removals, remove, evicted[i::n], t)
-                if i < n
-                else t
-                for i, t in enumerate(tasks)
             )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         if unloadable:

@@ -43,6 +43,8 @@ class FailureReport:
         self._blocks = {"write": 0, "read": 0}
         # reads that failed their checksum or MAC (damaged or planted files)
         self._integrity = 0
+        # evicted files (max_bytes) that could not be removed
+        self._removals = 0
         self._last_error: str | None = None
         self._next_report = 0.0
 
@@ -61,6 +63,17 @@ class FailureReport:
             self._failed[op] += failed
             self._blocks[op] += blocks
             self._integrity += integrity
+            self._last_error = error
+            line = self._take_line_if_due()
+        if line is not None:
+            logger.error(*line)
+
+    def record_removals(self, failed: int, error: str) -> None:
+        """Evicted block files (max_bytes) that could not be removed: they
+        stay on disk beyond the budget until removed by hand."""
+        with self._lock:
+            self._jobs += 1
+            self._removals += failed
             self._last_error = error
             line = self._take_line_if_due()
         if line is not None:
@@ -92,10 +105,16 @@ class FailureReport:
             if self._integrity
             else ""
         )
+        removals = (
+            f"; {self._removals} evicted block file(s) could not be removed "
+            "(they take disk space beyond max_bytes)"
+            if self._removals
+            else ""
+        )
         line = (
             "%s: %d of %d block writes and %d of %d block reads%s failed in %d "
             "job(s) since the previous report; failed writes are not stored "
-            "and failed reads are not served (recomputed instead). Last "
+            "and failed reads are not served (recomputed instead)%s. Last "
             "error: %s",
             self._label,
             self._failed["write"],
@@ -104,10 +123,12 @@ class FailureReport:
             self._blocks["read"],
             integrity,
             self._jobs,
+            removals,
             self._last_error,
         )
         self._jobs = 0
         self._integrity = 0
+        self._removals = 0
         self._failed = {"write": 0, "read": 0}
         self._blocks = {"write": 0, "read": 0}
         return line
@@ -244,6 +265,11 @@ class DualQueueThreadPool:
             for task_idx, fn in enumerate(tasks):
                 queue.append((fn, state, task_idx))
             self._condition.notify(n_tasks)
+
+    def record_removal_errors(self, failed: int, error: str) -> None:
+        """Evicted files that could not be removed, in the rate-limited
+        failure report."""
+        self._failures.record_removals(failed, error)
 
     def get_finished(self) -> list[tuple[JobId, list[int]]]:
         """Finished jobs, each with the indices of its failed tasks."""
