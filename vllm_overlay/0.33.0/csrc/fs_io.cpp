@@ -61,6 +61,37 @@ inline bool is_complete_block(const char* path, size_t size) {
          static_cast<size_t>(st.st_size) == size;
 }
 
+// Whether the file at `path` (not followed if a link) has `value` as its
+// `name` attribute; compared in constant time (the value is a MAC).
+inline bool has_xattr_value(const char* path, const char* name,
+                            const void* value, size_t size) {
+  unsigned char stored[64];
+  if (size > sizeof(stored)) {
+    return false;
+  }
+  const ssize_t len = lgetxattr(path, name, stored, sizeof(stored));
+  if (len < 0 || static_cast<size_t>(len) != size) {
+    return false;
+  }
+  const auto* expected = static_cast<const unsigned char*>(value);
+  unsigned char diff = 0;
+  for (size_t i = 0; i < size; i++) {
+    diff |= stored[i] ^ expected[i];
+  }
+  return diff == 0;
+}
+
+// Whether the store of a block to `path` is already done: a complete block
+// is there and, with an `xattr_name`, holds this block's value (its MAC):
+// else a planted file, or one restored without its xattrs, would be kept as
+// this key's block.
+inline bool is_stored(const char* path, size_t size, const char* xattr_name,
+                      const void* xattr_value, size_t xattr_size) {
+  return is_complete_block(path, size) &&
+         (xattr_name == nullptr ||
+          has_xattr_value(path, xattr_name, xattr_value, xattr_size));
+}
+
 // Core single-block store: src/size are raw pointer + byte count. Returns 0
 // on success, or the errno of the failing step on failure -- captured
 // before any subsequent cleanup call can overwrite it. On failure, the temp
@@ -73,7 +104,7 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
                         mode_t file_mode, mode_t dir_mode,
                         const char* xattr_name, const void* xattr_value,
                         size_t xattr_size) {
-  if (is_complete_block(dest_path, size)) {
+  if (is_stored(dest_path, size, xattr_name, xattr_value, xattr_size)) {
     return 0;  // Already present. Anything else at the path is replaced.
   }
 
@@ -130,9 +161,13 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
     unlink(tmp_path);
     // Another writer published this block after the check above; some
     // shared filesystems fail rename(2) with EEXIST instead of replacing.
-    // File names are content hashes, so a complete file already in place
-    // holds this block and the store is done.
-    return err == EEXIST && is_complete_block(dest_path, size) ? 0 : err;
+    // A file name stands for one block, so a complete file already in place
+    // (holding this block's xattr value, if any) holds this block and the
+    // store is done.
+    return err == EEXIST && is_stored(dest_path, size, xattr_name, xattr_value,
+                                      xattr_size)
+               ? 0
+               : err;
   }
 
   return 0;
@@ -147,9 +182,19 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
 // file, is rejected before anything is read into dst. Open failures and read
 // errors (bytes_read < 0) are transient/ambiguous and leave the file
 // untouched; a close failure after a full read is harmless and does not fail
-// the load.
+// the load. With an `xattr_name`, its value is read into `xattr` from the
+// same open file (empty if the file has none, or one too long to be ours),
+// with the file's identity, so that the caller checks what it read.
+struct FileXattr {
+  unsigned char value[64];
+  size_t len = 0;
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+
 inline int _load_block(const char* source_path, char* dst, size_t size,
-                       bool use_o_direct) {
+                       bool use_o_direct, const char* xattr_name,
+                       FileXattr* xattr) {
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
   // O_NOFOLLOW: a symbolic link at a block's path (planted by whoever could
   // write into the tree) is never read through (ELOOP, left untouched).
@@ -186,6 +231,20 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     close(fd);
     unlink(source_path);
     return EIO;
+  }
+
+  if (xattr_name != nullptr) {
+    const ssize_t len =
+        fgetxattr(fd, xattr_name, xattr->value, sizeof(xattr->value));
+    if (len < 0 && errno != ENODATA && errno != ERANGE) {
+      // Transient: leave the file untouched.
+      const int err = errno;
+      close(fd);
+      return err;
+    }
+    xattr->len = len < 0 ? 0 : static_cast<size_t>(len);
+    xattr->dev = st.st_dev;
+    xattr->ino = st.st_ino;
   }
 
   // A close error after a successful full read is harmless: the data is
@@ -384,16 +443,25 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
 /// @param use_o_direct bool – whether to open files with O_DIRECT
 ///                     (default True). Ignored where O_DIRECT is unsupported
 ///                     by the platform.
+/// @param xattr_name   str | None – an extended attribute to read from each
+///                     block file, through the fd the block was read from
+///                     (default None: none).
+/// @return None, or with an `xattr_name`, list[tuple[bytes, int, int] |
+///         None]: per block, the attribute's value (b"" if none) and the
+///         file's st_dev and st_ino; None for a failed block.
 /// @note Releases the GIL for the entire batch. A failed block does not stop
 ///       the batch; if any failed, raises the first error with
-///       `failed_indices`, the indices of all failed blocks.
+///       `failed_indices`, the indices of all failed blocks, and with an
+///       `xattr_name`, `xattr_reads`, the list returned otherwise.
 static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
   PyObject* source_paths_obj = nullptr;
   PyObject* buffers_obj = nullptr;
   int use_o_direct = 1;
+  const char* xattr_name = nullptr;
 
-  if (!PyArg_ParseTuple(args, "O!O!|p", &PyList_Type, &source_paths_obj,
-                        &PyList_Type, &buffers_obj, &use_o_direct)) {
+  if (!PyArg_ParseTuple(args, "O!O!|pz", &PyList_Type, &source_paths_obj,
+                        &PyList_Type, &buffers_obj, &use_o_direct,
+                        &xattr_name)) {
     return nullptr;
   }
 
@@ -414,6 +482,8 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
 
   // A failed block does not stop the batch: the others are still loaded.
   std::vector<Py_ssize_t> failed_indices;
+  std::vector<char> failed(n, 0);
+  std::vector<FileXattr> xattrs(xattr_name != nullptr ? n : 0);
   int failure_errno = 0;
 
   {
@@ -421,18 +491,49 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
       char* buf = static_cast<char*>(buffers[i].buf);
       const int err =
           _load_block(source_paths[i], buf, static_cast<size_t>(buffers[i].len),
-                      use_o_direct);
+                      use_o_direct, xattr_name,
+                      xattr_name != nullptr ? &xattrs[i] : nullptr);
       if (err != 0) {
         if (failed_indices.empty()) {
           failure_errno = err;
         }
         failed_indices.push_back(i);
+        failed[i] = 1;
       }
     }
     Py_END_ALLOW_THREADS
   }
 
   release_buffer_list(buffers);
+
+  PyObject* xattr_reads = nullptr;
+  if (xattr_name != nullptr) {
+    xattr_reads = PyList_New(n);
+    if (xattr_reads == nullptr) {
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject* item;
+      if (failed[i]) {
+        item = Py_NewRef(Py_None);
+      } else {
+        PyObject* value = PyBytes_FromStringAndSize(
+            reinterpret_cast<const char*>(xattrs[i].value),
+            static_cast<Py_ssize_t>(xattrs[i].len));
+        item =
+            value == nullptr
+                ? nullptr
+                : Py_BuildValue("(NKK)", value,
+                                static_cast<unsigned long long>(xattrs[i].dev),
+                                static_cast<unsigned long long>(xattrs[i].ino));
+        if (item == nullptr) {
+          Py_DECREF(xattr_reads);
+          return nullptr;
+        }
+      }
+      PyList_SetItem(xattr_reads, i, item);
+    }
+  }
 
   if (!failed_indices.empty()) {
     // PyErr_SetFromErrnoWithFilename() reads the errno to format exception.
@@ -460,11 +561,18 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
         PyObject_SetAttrString(evalue, "failed_indices", indices);
         Py_DECREF(indices);
       }
+      if (xattr_reads != nullptr) {
+        PyObject_SetAttrString(evalue, "xattr_reads", xattr_reads);
+      }
     }
+    Py_XDECREF(xattr_reads);
     PyErr_Restore(etype, evalue, etb);
     return nullptr;
   }
 
+  if (xattr_reads != nullptr) {
+    return xattr_reads;
+  }
   Py_RETURN_NONE;
 }
 
@@ -487,11 +595,15 @@ static PyMethodDef fs_io_C_methods[] = {
     {"batch_load_block", batch_load_block, METH_VARARGS,
      "batch_load_block(source_paths: list[str],\n"
      "                 buffers: list[writable bytes-like],\n"
-     "                 use_o_direct: bool = True) -> None\n"
+     "                 use_o_direct: bool = True,\n"
+     "                 xattr_name: str | None = None)\n"
+     "    -> None | list[tuple[bytes, int, int] | None]\n"
      "\n"
-     "Load a batch of blocks from disk into corresponding buffers. "
-     "A failed block does not stop the batch; if any failed, raises the "
-     "first error with failed_indices set."},
+     "Load a batch of blocks from disk into corresponding buffers; with an "
+     "xattr_name, return its value per block, read through the same fd, "
+     "with the file's st_dev and st_ino. A failed block does not stop the "
+     "batch; if any failed, raises the first error with failed_indices (and "
+     "xattr_reads) set."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -17,6 +17,7 @@ Real files on disk throughout; the tier is driven as the tiering manager
 drives it (submit_store / submit_load / get_finished / lookup).
 """
 
+import contextlib
 import mmap
 import os
 import stat
@@ -591,6 +592,32 @@ def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refu
     if case != "inline secret":
         assert f"key_file {str(path)!r} of the 'fs_python' tier" in message
         assert "chmod 6" in message or "head -c 32 /dev/urandom" in message
+
+
+def test_a_fifo_key_file_is_refused_at_once(tmp_path):
+    """A FIFO at the key_file path is refused as not a regular file, at once:
+    opening it to read (before the check) must not wait for a writer, which
+    would hang the engine's start."""
+    path = tmp_path / "key"
+    os.mkfifo(path, 0o600)
+    messages: list[str] = []
+    start = threading.Thread(
+        target=lambda: messages.append(_refused(tmp_path / "kv", key_file=str(path))),
+        daemon=True,
+    )
+    start.start()
+    start.join(10)
+    waited = start.is_alive()
+    if waited:  # unblock it: a writer opens the FIFO
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        start.join(10)
+    assert not waited, "the start waited on the FIFO for a writer"
+    (message,) = messages
+    assert (
+        f"key_file {str(path)!r} of the 'fs_python' tier is not a regular file"
+        in message
+    )
 
 
 def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):

@@ -17,6 +17,7 @@ Real files on disk throughout; the tier is driven as the tiering manager
 drives it (submit_store / submit_load / get_finished_jobs / lookup).
 """
 
+import contextlib
 import errno
 import mmap
 import os
@@ -566,6 +567,97 @@ def test_a_planted_block_that_cannot_be_removed_is_a_miss(
         tier.shutdown()
 
 
+@pytest.mark.parametrize("found", ["planted", "without_mac"])
+def test_a_keyed_store_replaces_a_file_without_its_mac(
+    tmp_path, io_path, monkeypatch, found
+):
+    """A store of a key whose file is complete but does not hold this
+    store's MAC replaces it: a planted file that could not be removed (else
+    the store would succeed on it, clear the key's unloadable mark and the
+    file would be a hit that fails again, in a loop), or a copy restored
+    without its xattrs."""
+    from vllm.v1.kv_offload.tiering.fs.io import MAC_XATTR
+
+    kv = rows(4)
+    kv[0] = 5
+    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    try:
+        k = key(7)
+        path = tier.file_mapper.get_file_name(k)
+        if found == "planted":
+            os.makedirs(os.path.dirname(path))
+            with open(path, "wb") as f:
+                f.write(bytes(kv.shape[1]))
+            monkeypatch.setattr(io_mod, "_remove_corrupt_file", lambda path: None)
+            assert lookup(tier, k) is LookupResult.HIT
+            tier.submit_load(job(1, [k], [1], load=True))
+            assert finish(tier) == [False]
+            tier.on_request_finished(_CTX)
+            assert tier.lookup(k, _CTX) is LookupResult.MISS
+        else:
+            tier.submit_store(job(1, [k], [0]))
+            assert finish(tier) == [True]
+            os.removexattr(path, MAC_XATTR)  # e.g. copied by rsync without -X
+
+        tier.submit_store(job(2, [k], [0]))
+        assert finish(tier) == [True]
+        assert MAC_XATTR in os.listxattr(path), "the store kept the old file"
+        assert lookup_again(tier, k) is LookupResult.HIT
+        tier.submit_load(job(3, [k], [2], load=True))
+        assert finish(tier) == [True]
+        assert (kv[2] == 5).all()
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("read", ["valid", "planted"])
+def test_a_block_stored_anew_during_its_load_is_left_alone(
+    tmp_path, io_path, monkeypatch, read
+):
+    """Another engine sharing the root may store a block anew (other bytes,
+    their valid MAC) between this engine's read of the block file and its
+    MAC check. The check uses the MAC of the file that was read (a valid
+    block loads), and a mismatch removes the file only if it still is the
+    one read: the other engine's valid file is never removed."""
+    from vllm.v1.kv_offload.tiering.fs.io import MAC_XATTR
+
+    kv = rows(4)
+    kv[0] = 1
+    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    try:
+        k = key(7)
+        path = tier.file_mapper.get_file_name(k)
+        if read == "valid":
+            tier.submit_store(job(1, [k], [0]))
+            assert finish(tier) == [True]
+        else:  # a file without a MAC
+            os.makedirs(os.path.dirname(path))
+            with open(path, "wb") as f:
+                f.write(bytes(kv.shape[1]))
+        theirs = bytes([7]) * kv.shape[1]
+        their_mac = tier._mac.compute(k, memoryview(theirs))
+        read_blocks = io_mod._batch_load_block
+
+        def read_then_another_engine_stores(*args, **kwargs):
+            found = read_blocks(*args, **kwargs)
+            with open(path + ".theirs", "wb") as f:
+                f.write(theirs)
+                os.setxattr(f.fileno(), MAC_XATTR, their_mac)
+            os.rename(path + ".theirs", path)
+            return found
+
+        monkeypatch.setattr(
+            io_mod, "_batch_load_block", read_then_another_engine_stores
+        )
+        tier.submit_load(job(2, [k], [2], load=True))
+        assert finish(tier) == [read == "valid"]
+        if read == "valid":
+            assert (kv[2] == 1).all()
+        assert os.getxattr(path, MAC_XATTR) == their_mac, "removed their block"
+    finally:
+        tier.shutdown()
+
+
 def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
     """Engines sharing a root and a key file share blocks across a restart;
     an engine with another key (another namespace) neither finds them nor
@@ -645,6 +737,29 @@ def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refu
     if case != "inline secret":
         assert f"key_file {str(path)!r} of the 'fs' tier" in message
         assert "chmod 6" in message or "head -c 32 /dev/urandom" in message
+
+
+def test_a_fifo_key_file_is_refused_at_once(tmp_path):
+    """A FIFO at the key_file path is refused as not a regular file, at once:
+    opening it to read (before the check) must not wait for a writer, which
+    would hang the engine's start."""
+    path = tmp_path / "key"
+    os.mkfifo(path, 0o600)
+    messages: list[str] = []
+    start = threading.Thread(
+        target=lambda: messages.append(_refused(tmp_path / "kv", key_file=str(path))),
+        daemon=True,
+    )
+    start.start()
+    start.join(10)
+    waited = start.is_alive()
+    if waited:  # unblock it: a writer opens the FIFO
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        start.join(10)
+    assert not waited, "the start waited on the FIFO for a writer"
+    (message,) = messages
+    assert f"key_file {str(path)!r} of the 'fs' tier is not a regular file" in message
 
 
 def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):

@@ -185,6 +185,18 @@ class TierKey:
         return "TierKey(<redacted>)"
 
 
+def _read_up_to(fd: int, limit: int) -> bytes:
+    """Up to *limit* bytes of *fd*: one read may return fewer (NFS, FUSE)."""
+    chunks = []
+    while limit > 0:
+        chunk = os.read(fd, limit)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        limit -= len(chunk)
+    return b"".join(chunks)
+
+
 def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierKey:
     """Read and check the tier's key file; ValueError naming the path and
     the fix if it is missing, not a regular file, not private, empty, too
@@ -199,7 +211,12 @@ def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierK
     prefix = f"key_file {key_file!r} of the '{tier_type}' tier"
     fix = _KEY_FIX.format(path=key_file)
     try:
-        fd = os.open(key_file, os.O_RDONLY | getattr(os, "O_NOCTTY", 0))
+        # O_NONBLOCK: a FIFO (or device) at the path is refused below, not
+        # waited on; it does not change reads of a regular file.
+        fd = os.open(
+            key_file,
+            os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0),
+        )
     except FileNotFoundError:
         raise ValueError(f"{prefix} does not exist: {fix}") from None
     except OSError as e:
@@ -228,7 +245,7 @@ def load_key_file(key_file: object, tier_type: str, group_access: bool) -> TierK
                 f"{prefix} is owned by another user (uid "
                 f"{_owner_name(st.st_uid)}): chown it to uid {os.geteuid()}"
             )
-        secret = os.read(fd, MAX_KEY_BYTES + 1)
+        secret = _read_up_to(fd, MAX_KEY_BYTES + 1)
     finally:
         os.close(fd)
     if not secret:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import regex as re
 
@@ -135,20 +136,14 @@ class BlockMac:
         mac.update(data)  # hashlib releases the GIL on large buffers
         return mac.digest()
 
-    def check(self, path: str, key: bytes, data: memoryview) -> None:
-        """Raise BlockIntegrityError, after removing the file, unless *path*
-        holds the MAC of *data* (just read from it) for *key*. The MAC binds
-        the bytes read, so a file swapped between the read and this check
-        fails too. An error reading the attribute (not its absence) leaves
-        the file and raises that OSError."""
-        try:
-            stored = os.getxattr(path, MAC_XATTR, follow_symlinks=False)
-        except OSError as e:
-            if e.errno != errno.ENODATA:
-                raise
-            stored = b""
-        if not hmac.compare_digest(stored, self.compute(key, data)):
-            _remove_corrupt_file(path)
+    def check(self, path: str, key: bytes, data: memoryview, read: "FileMac") -> None:
+        """Raise BlockIntegrityError unless *read* (the MAC attribute of the
+        file *data* was just read from, read from the same open file) is the
+        MAC of *data* for *key*. The file is then removed, but only if *path*
+        still is that file: another engine may have stored the block anew
+        meanwhile, and its valid file is left alone."""
+        if not hmac.compare_digest(read.mac, self.compute(key, data)):
+            _remove_if_same_file(path, read)
             raise BlockIntegrityError(
                 errno.EBADMSG,
                 f"does not hold the block stored for its key ({self.algorithm} "
@@ -158,6 +153,42 @@ class BlockMac:
 
     def __repr__(self) -> str:
         return "BlockMac(hmac-sha256, key redacted)"
+
+
+class FileMac(NamedTuple):
+    """A block file's MAC_XATTR (b"" when it has none), read from the open
+    file its block was read from, and that file's identity."""
+
+    mac: bytes
+    st_dev: int
+    st_ino: int
+
+
+def _read_mac(fd: int) -> bytes:
+    try:
+        return os.getxattr(fd, MAC_XATTR)
+    except OSError as e:
+        if e.errno != errno.ENODATA:
+            raise  # the file is left, and the block fails with this error
+        return b""
+
+
+def _holds_mac(path: str, mac: bytes) -> bool:
+    """Whether the file at *path* has *mac* as its MAC_XATTR."""
+    try:
+        stored = os.getxattr(path, MAC_XATTR, follow_symlinks=False)
+    except OSError:
+        return False
+    return hmac.compare_digest(stored, mac)
+
+
+def _remove_if_same_file(path: str, read: FileMac) -> None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino):
+        _remove_corrupt_file(path)
 
 
 def probe_xattr(directory: str) -> None:
@@ -367,8 +398,12 @@ def _store_block(
     Files and directories are created with *modes*; a *mac* is set as the
     file's MAC_XATTR before the rename."""
     # Skip the write if the block is already stored, but only if what is at
-    # the path is a complete block: anything else is replaced below.
-    if _is_complete_block(dest_path, block_size):
+    # the path is a complete block (with a *mac*: holding it, else a planted
+    # file, or one restored without its xattrs, would be kept as this key's
+    # block): anything else is replaced below.
+    if _is_complete_block(dest_path, block_size) and (
+        mac is None or _holds_mac(dest_path, mac)
+    ):
         return
 
     tmp_path = dest_path + _get_tmp_suffix()
@@ -405,11 +440,14 @@ def _store_block(
         except FileExistsError:
             # Another writer published this block after the check above; some
             # shared filesystems fail the rename with EEXIST instead of
-            # replacing. File names are content hashes, so a complete file
-            # already in place holds this block and the store is done.
+            # replacing. A file name stands for one block, so a complete file
+            # already in place (holding this *mac*, if keyed) holds this block
+            # and the store is done.
             with contextlib.suppress(OSError):
                 os.remove(tmp_path)
-            if not _is_complete_block(dest_path, block_size):
+            if not _is_complete_block(dest_path, block_size) or (
+                mac is not None and not _holds_mac(dest_path, mac)
+            ):
                 raise
     except Exception:
         try:
@@ -433,13 +471,15 @@ def _load_block(
     offset: int,
     block_size: int,
     use_o_direct: bool = True,
-) -> None:
+    read_mac: bool = False,
+) -> FileMac | None:
     """Read one KV block from disk; remove the file only if it provably holds
     no block (a regular file whose size is not block_size, or a short read:
     stores are atomic and write exactly one block, so that is genuine
     corruption) and leave it untouched on any other error. A file of the wrong
     size, or one that is not a regular file, is rejected before anything is
-    read into the view."""
+    read into the view. With *read_mac*, return the file's MAC attribute,
+    read from the same open file."""
     fd: int | None = None
     view_slice = view.cast("B")[offset : offset + block_size]
     o_direct = O_DIRECT if use_o_direct else 0
@@ -460,6 +500,9 @@ def _load_block(
         if bytes_read < block_size:
             _remove_corrupt_file(source_path)
             raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
+        if read_mac:
+            return FileMac(_read_mac(fd), st.st_dev, st.st_ino)
+        return None
     finally:
         if fd is not None:
             os.close(fd)
@@ -542,22 +585,27 @@ def batch_load_block(
     Block i is read from source_paths[i] into view[offsets[i] : offsets[i]+block_size].
     A failed block does not stop the batch (see _load_block for the
     delete-on-short-read policy): the other blocks are still loaded. With a
-    *mac*, each block read is then checked against its file's MAC for
-    keys[i] (BlockMac.check): a mismatch fails the block. If any block
+    *mac*, each block read is then checked against the MAC attribute read
+    from the same open file, for keys[i] (BlockMac.check): a mismatch fails
+    the block. If any block
     failed, the first error is raised once the batch is done, carrying
     ``failed_indices``, the indices of all failed blocks in ascending order, so
     the tier can keep every block that loaded, and ``integrity_failed``, the
     indices of those that failed their MAC.
     """
     if mac is None:
-        return _batch_load_block(paths, view, offsets, block_size, use_o_direct)
-    try:
         _batch_load_block(paths, view, offsets, block_size, use_o_direct)
+        return
+    try:
+        reads = _batch_load_block(
+            paths, view, offsets, block_size, use_o_direct, MAC_XATTR
+        )
         failed: list[int] = []
         first_exc: OSError | None = None
     except OSError as exc:
         failed = getattr(exc, "failed_indices", None)  # type: ignore[assignment]
-        if failed is None:
+        reads = getattr(exc, "xattr_reads", None)
+        if failed is None or reads is None:
             raise
         first_exc = exc
     view_B = view.cast("B")
@@ -567,7 +615,9 @@ def batch_load_block(
         if i in skip:
             continue
         try:
-            mac.check(path, keys[i], view_B[offset : offset + block_size])
+            read = reads[i]
+            assert read is not None  # block i loaded
+            mac.check(path, keys[i], view_B[offset : offset + block_size], read)
         except OSError as exc:
             failed.append(i)
             if isinstance(exc, BlockIntegrityError):
@@ -586,25 +636,51 @@ def _batch_load_block(
     offsets: list[int],
     block_size: int,
     use_o_direct: bool,
-) -> None:
-    """batch_load_block's reads, on the compiled path where there is one."""
+    xattr_name: str | None = None,
+) -> list[FileMac | None] | None:
+    """batch_load_block's reads, on the compiled path where there is one.
+    With *xattr_name* (MAC_XATTR), return each block's FileMac (None where
+    the block failed; on failure, as the error's ``xattr_reads``)."""
     _validate_offsets(view, offsets, block_size)
 
     if _HAS_FSIO_C:
         view_B = view.cast("B")
         view_slices = [view_B[x : x + block_size] for x in offsets]
-        return batch_load_block_C(paths, view_slices, use_o_direct)
+        if xattr_name is None:
+            return batch_load_block_C(paths, view_slices, use_o_direct)
+        try:
+            found = batch_load_block_C(paths, view_slices, use_o_direct, xattr_name)
+        except OSError as exc:
+            found = getattr(exc, "xattr_reads", None)
+            if found is not None:
+                exc.xattr_reads = [None if r is None else FileMac(*r) for r in found]
+            raise
+        return [FileMac(*r) for r in found]
     else:
         first_exc: OSError | None = None
         failed_indices: list[int] = []
+        reads: list[FileMac | None] = []
         for i, (path, offset) in enumerate(zip(paths, offsets)):
             try:
-                _load_block(path, view, offset, block_size, use_o_direct)
+                reads.append(
+                    _load_block(
+                        path,
+                        view,
+                        offset,
+                        block_size,
+                        use_o_direct,
+                        read_mac=xattr_name is not None,
+                    )
+                )
             except OSError as exc:
+                reads.append(None)
                 failed_indices.append(i)
                 if first_exc is None:
                     first_exc = exc
         if first_exc is not None:
-            # The C path sets the same attribute via PyObject_SetAttrString.
+            # The C path sets the same attributes via PyObject_SetAttrString.
             first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
+            if xattr_name is not None:
+                first_exc.xattr_reads = reads  # type: ignore[attr-defined]
             raise first_exc
+        return reads if xattr_name is not None else None
