@@ -208,13 +208,23 @@ def measure(mc: ModelConfig, root: str, specs: dict, cache_kwargs: dict, bpc: in
         )
     n = len(groups)
     used = sum(x["useful"] for x in groups)
+    # what the tier under test writes per key: the group's file where it sizes files by
+    # group (group_files), else a file of the whole row
+    try:
+        from vllm.v1.kv_offload.tiering.fs.manager import group_files
+    except ImportError:
+        files = None
+    else:
+        files = group_files(spec, row)
+    disk_allocated = sum(f.size for f in files) if files else n * row
     return {
         "blocks_per_chunk": bpc,
         "row": row,
         "tensors": len(kcc.kv_cache_tensors),
         "groups": groups,
         "cpu_today": used / (n * row),
-        "disk_today": used / (n * row),  # fs tier: a file of exactly the row per key
+        "disk_today": used / disk_allocated,
+        "disk_group_files": bool(files),
         "disk_useful": used / sum(x["file_useful"] for x in groups),
         "cpu_per_group_rows": used / sum(x["file_useful"] for x in groups),
         # one file per chunk with the groups' bytes packed (offsets not page-aligned)

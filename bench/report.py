@@ -633,19 +633,19 @@ def layout_section(d: dict | None, goals: Goals) -> list[str]:
         "TieringOffloadingSpec: the row every group's block gets (cpu_page_size_per_worker, "
         "page-aligned), each group's useful bytes per offloaded block (its layers x the real "
         "page bytes, no padding), and used / allocated for a chunk (one block of every "
-        "group): the CPU tier and the fs tier today (a file of the row per key, no "
-        "checksum), a file of the group's bytes rounded up to the page (goal 5; also the "
-        "bytes of per-group CPU rows and of one file per chunk at page-aligned offsets), "
-        "one file per chunk packed.",
+        "group): the CPU tier, the fs tier under test (no checksum), a file of the "
+        "group's bytes rounded up to the page (goal 5; also the bytes of per-group CPU "
+        "rows and of one file per chunk at page-aligned offsets), one file per chunk "
+        "packed.",
         "",
-        "| layout | blocks per chunk | row | groups: useful bytes per block | CPU tier, "
-        "fs tier today | group's bytes, page-aligned | chunk file, packed |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| layout | blocks per chunk | row | groups: useful bytes per block | CPU tier | "
+        "fs tier | group's bytes, page-aligned | chunk file, packed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     worst = None
     for r in d["layouts"]:
         if "error" in r:
-            out.append(f"| {r['name']} | {r['blocks_per_chunk']} | {r['error']} | | | | |")
+            out.append(f"| {r['name']} | {r['blocks_per_chunk']} | {r['error']} | | | | | |")
             continue
         per = "; ".join(
             f"{x['kind'].removesuffix('Spec')} x{x['layers']} {fmt_size(x['useful'])}"
@@ -653,18 +653,22 @@ def layout_section(d: dict | None, goals: Goals) -> list[str]:
         )
         out.append(
             f"| {r['name']} | {r['blocks_per_chunk']} | {fmt_size(r['row'])} | {per} | "
-            f"{r['cpu_today']:.2f} | {r['disk_useful']:.2f} | {r['disk_chunk_packed']:.2f} |"
+            f"{r['cpu_today']:.2f} | {r['disk_today']:.2f} | {r['disk_useful']:.2f} | "
+            f"{r['disk_chunk_packed']:.2f} |"
         )
         gap = r["disk_useful"] - r["disk_today"]
         if worst is None or gap > worst["disk_useful"] - worst["disk_today"]:
             worst = r
-    useful_only = all(
-        abs(r["disk_today"] - r["disk_useful"]) < 1e-9 for r in d["layouts"] if "error" not in r
-    )
+    ok = [r for r in d["layouts"] if "error" not in r]
+    useful_only = all(r["disk_today"] >= r["disk_useful"] - 1e-9 for r in ok)
     goals.add(
         name,
         useful_only,
-        "the fs tier writes the padded row per key"
+        (
+            "the fs tier writes each group's bytes, page-aligned"
+            if ok and all(r.get("disk_group_files") for r in ok)
+            else "the fs tier writes the padded row per key"
+        )
         + (
             f": disk used / allocated down to {worst['disk_today']:.2f} ({worst['name']}, "
             f"blocks_per_chunk {worst['blocks_per_chunk']}) where the group's bytes, "

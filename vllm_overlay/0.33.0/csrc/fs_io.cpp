@@ -362,10 +362,13 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   const char* xattr_name = nullptr;
   PyObject* xattr_values_obj = nullptr;
 
-  if (!PyArg_ParseTuple(args, "O!O!O!|pIIzO!", &PyList_Type, &tmp_paths_obj,
-                        &PyList_Type, &dest_paths_obj, &PyList_Type,
-                        &buffers_obj, &use_o_direct, &file_mode, &dir_mode,
-                        &xattr_name, &PyList_Type, &xattr_values_obj)) {
+  if (!PyArg_ParseTuple(args,
+                        "O!O!O!|pII"
+                        "zO!",
+                        &PyList_Type, &tmp_paths_obj, &PyList_Type,
+                        &dest_paths_obj, &PyList_Type, &buffers_obj,
+                        &use_o_direct, &file_mode, &dir_mode, &xattr_name,
+                        &PyList_Type, &xattr_values_obj)) {
     return nullptr;
   }
 

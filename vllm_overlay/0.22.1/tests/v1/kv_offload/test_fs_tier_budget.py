@@ -348,7 +348,7 @@ def test_restart_over_budget_trims_tails_first(
     spec = TieringOffloadingSpec(*configs)
     sched = sched_for(spec)
     # a chunk's files: one per group (a key_file adds a MAC to each)
-    chunk = 2 * sched.manager.secondary_tiers[0]._file_size
+    chunk = sum(sched.manager.secondary_tiers[0]._file_sizes)
     requests_tokens = shared_prefix_prompts(8, num_heads=8)
     all_keys = []
     try:

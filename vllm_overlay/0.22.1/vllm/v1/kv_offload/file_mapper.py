@@ -136,8 +136,11 @@ class FileMapper:
         parallel_agnostic: bool = False,
         checksum: dict | None = None,
         file_stem: Callable[[bytes], str] | None = None,
+        group_file_bytes: list[int] | None = None,
     ) -> "FileMapper":
-        """Build a FileMapper from an OffloadingSpec."""
+        """Build a FileMapper from an OffloadingSpec. group_file_bytes: the
+        bytes of each group's block files where they hold only the group's
+        part of a block (a file format of its own: another directory)."""
         vllm_config = offloading_spec.vllm_config
         kv_cache_config = offloading_spec.kv_cache_config
 
@@ -151,6 +154,9 @@ class FileMapper:
             }
             for group in kv_cache_config.kv_cache_groups
         ]
+        if group_file_bytes is not None:
+            for group_fields, file_bytes in zip(kv_cache_groups, group_file_bytes):
+                group_fields["file_bytes"] = file_bytes
         return cls(
             root_dir=root_dir,
             model_name=vllm_config.model_config.model,

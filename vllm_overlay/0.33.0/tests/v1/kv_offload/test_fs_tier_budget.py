@@ -14,6 +14,7 @@ settings are refused.
 """
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ from tests.v1.kv_offload.tiering.test_fs_tier import (
     lookup_and_wait,
     make_job,
 )
+from tests.v1.kv_offload.tiering.test_fs_tier_security import key_file
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     RequestOffloadState,
@@ -101,6 +103,7 @@ def stem(key: OffloadKey) -> str:
 
 def budget_engine(model_cfg, layout: str, root_dir: str, **tier) -> Engine:
     engine = Engine(model_cfg, layout, root_dir, 64)
+    assert engine.vllm_config.kv_transfer_config is not None
     extra = engine.vllm_config.kv_transfer_config.kv_connector_extra_config
     extra["secondary_tiers"][0].update(tier)
     return engine
@@ -147,7 +150,7 @@ def store_prompt(sched, request, on_step=None) -> list[list[OffloadKey]]:
             k
             for g in groups
             for k in g
-            if end - step < ctx.get_offload_key_position(k) <= end
+            if end - step < (ctx.get_offload_key_position(k) or 0) <= end
         ]
         if not keys:
             continue
@@ -155,7 +158,11 @@ def store_prompt(sched, request, on_step=None) -> list[list[OffloadKey]]:
             out = manager.prepare_store(keys, ctx)
             assert out is not None
             if out.keys_to_store:  # not those the CPU tier holds already
-                write_chunks(manager, out.keys_to_store, out.store_spec.chunk_ids)
+                write_chunks(
+                    manager,
+                    out.keys_to_store,
+                    out.store_spec.chunk_ids,  # type: ignore[attr-defined]
+                )
                 manager.complete_store(out.keys_to_store, ctx)  # to the fs tier
         finish_tier_io(manager)
         with manager.lock:
@@ -177,7 +184,7 @@ def unreachable_files(
     """Kept block files of a prompt's chunks past the first token a
     full-attention group lost: they can never hit."""
     configs = sched.config.kv_group_configs
-    unreachable = set()
+    unreachable: set[str] = set()
     for groups in prompts:
         # the first token not covered by a kept full-attention chunk
         end = min(
@@ -307,7 +314,7 @@ def test_restart_over_budget_trims_tails_first(
 
     assert not unreachable_files(prompts, files, sched, file_stem)
     if keyed:  # the files are named by the keyed hash, not the block hash
-        assert not files & {stem(k) for p in prompts for g in p for k in g}
+        assert not set(files) & {stem(k) for p in prompts for g in p for k in g}
 
 
 def test_budget_is_reported_to_kv_offload_metrics(
@@ -323,6 +330,7 @@ def test_budget_is_reported_to_kv_offload_metrics(
     chunk = chunk_bytes_on_disk(probe)
     max_bytes = 4 * chunk
     engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    assert engine.vllm_config.kv_transfer_config is not None
     definitions = TieringOffloadingSpec.build_metric_definitions(
         engine.vllm_config.kv_transfer_config.kv_connector_extra_config
     )
@@ -342,7 +350,9 @@ def test_budget_is_reported_to_kv_offload_metrics(
         # not written
         store_prompt(sched, prompt(engine, 0))
         with manager.lock:
-            values = manager.get_stats().data["data"]
+            stats = manager.get_stats()
+            assert stats is not None
+            values = stats.data["data"]
         assert values[BUDGET_MAX_BYTES][label] == max_bytes
         assert values[BUDGET_USED_BYTES][label] == 4 * chunk
         assert values[BUDGET_EVICTED_FILES][label] == 0
@@ -350,7 +360,9 @@ def test_budget_is_reported_to_kv_offload_metrics(
         # another prompt replaces the first, tail first
         store_prompt(sched, prompt(engine, 1))
         with manager.lock:
-            values = manager.get_stats().data["data"]
+            stats = manager.get_stats()
+            assert stats is not None
+            values = stats.data["data"]
         assert values[BUDGET_USED_BYTES][label] == 4 * chunk
         assert values[BUDGET_EVICTED_FILES][label] == 4  # since the last report
         assert values[BUDGET_REJECTED_FILES][label] == 1
@@ -442,7 +454,7 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
         assert lookup_and_wait(tier, [b]) == [LookupResult.HIT]
         tier.submit_store(make_job(20, [c], [2]))
         deadline = time.monotonic() + 30
-        results = []
+        results: list = []
         while not results and time.monotonic() < deadline:
             results = list(tier.get_finished_jobs())
             time.sleep(0.01)
@@ -506,13 +518,17 @@ def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
         tier.shutdown()
 
 
-def test_an_evicted_key_looked_up_before_is_a_miss(tmp_path):
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "key_file"])
+def test_an_evicted_key_looked_up_before_is_a_miss(tmp_path, keyed):
     """A key lookup() found (the verdict is cached for its request) and
     then evicted: its next lookup is a miss, not a promotion of a file that
-    is gone."""
+    is gone. Also with a key_file, whose file names do not give the block
+    hash back."""
     rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
     page = rows.numpy().strides[0]
-    tier = make_tier(str(tmp_path), rows, max_bytes=page)  # one file
+    config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
+    # one file
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=page, **config)
     try:
         k1, k2 = block_key(1), block_key(2)
         store_keys(tier, [k1], 0, rows)
@@ -524,6 +540,120 @@ def test_an_evicted_key_looked_up_before_is_a_miss(tmp_path):
         assert tier.lookup(k1, _CTX) is LookupResult.MISS
     finally:
         tier.shutdown()
+
+
+def test_a_load_that_fails_leaving_its_file_keeps_it_counted(tmp_path, monkeypatch):
+    """A load that fails with its file still there (EMFILE, EIO, an
+    unreadable MAC): the file stays counted in the budget and evictable,
+    so that the next stores keep the tier's files within max_bytes."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path / "kv")
+    tier = make_tier(root, rows, max_bytes=2 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+        a, b, c, d = (block_key(i) for i in range(1, 5))
+        assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+        real_load = fs_manager.batch_load_block
+
+        def emfile(*args, **kwargs):
+            e = OSError(errno.EMFILE, "Too many open files")
+            e.failed_indices = [0]  # type: ignore[attr-defined]
+            raise e
+
+        monkeypatch.setattr(fs_manager, "batch_load_block", emfile)
+        tier.submit_load(make_job(9, [a], [5], is_promotion=True))
+        (result,) = drain(tier)
+        assert not result.success
+        monkeypatch.setattr(fs_manager, "batch_load_block", real_load)
+        assert os.path.exists(tier.file_mapper.get_file_name(a))
+        assert tier._budget.used == 2 * page
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert all(r.success for r in store_keys(tier, [c, d], 20, rows))
+        assert disk_bytes(root) <= 2 * page
+        assert not os.path.exists(tier.file_mapper.get_file_name(a))
+    finally:
+        tier.shutdown()
+
+
+def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vllm):
+    """An evicted file whose removal fails for another reason than being
+    gone (here a directory at its path; a read-only mount alike) is
+    counted and reported in the tier's rate-limited failure report: it
+    takes disk space beyond max_bytes."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=page)  # one file
+    try:
+        assert tier._budget.scan_done.wait(30)
+        k1, k2 = block_key(1), block_key(2)
+        assert all(r.success for r in store_keys(tier, [k1], 0, rows))
+        path = tier.file_mapper.get_file_name(k1)
+        os.remove(path)
+        os.makedirs(os.path.join(path, "x"))
+        with caplog_vllm.at_level(logging.ERROR):
+            (result,) = store_keys(tier, [k2], 1, rows)  # evicts k1
+        assert result.success
+        errors = [r.getMessage() for r in caplog_vllm.records if r.levelname == "ERROR"]
+        assert any(
+            "1 evicted block file(s) could not be removed" in m for m in errors
+        ), errors
+        assert tier._budget.removal_errors == 1
+    finally:
+        tier.shutdown()
+
+
+def test_no_filesystem_call_on_the_scheduler_thread_after_the_scan(
+    tmp_path, monkeypatch
+):
+    """A store whose predecessor is not indexed, once the start-up scan is
+    done: the predecessor is on no disk (not written: it could never hit),
+    found without a filesystem call on the scheduler thread. A predecessor
+    lookup() found (another engine's file) is on disk: written."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path / "kv")
+    tier = make_tier(root, rows, group_tokens=(16,), max_bytes=8 * page)
+    other = make_tier(root, rows, group_tokens=(16,))  # another engine
+    scheduler = threading.current_thread()
+    calls: list[str] = []
+
+    def on_scheduler_thread(name, real):
+        def check(*args, **kwargs):
+            if threading.current_thread() is scheduler:
+                calls.append(f"{name}{args}")
+            return real(*args, **kwargs)
+
+        return check
+
+    try:
+        assert tier._budget.scan_done.wait(30)
+        keys = [block_key(i) for i in range(4)]
+        ctx = prompt_ctx("req", keys)
+        store_keys(other, [keys[2]], 0, rows)
+        assert lookup_and_wait(tier, [keys[2]]) == [LookupResult.HIT]
+        for name in ("exists", "lexists"):
+            monkeypatch.setattr(
+                os.path, name, on_scheduler_thread(name, getattr(os.path, name))
+            )
+        for name in ("stat", "lstat"):
+            monkeypatch.setattr(os, name, on_scheduler_thread(name, getattr(os, name)))
+        # keys[0] was never stored: keys[1] could never hit
+        tier.submit_store(TransferJob(1, [keys[1]], np.arange(1), False, ctx))
+        # keys[2] (another engine's) was found by lookup(): keys[3] can hit
+        ctx = prompt_ctx(_CTX.req_id, keys)
+        tier.submit_store(TransferJob(2, [keys[3]], np.arange(1), False, ctx))
+        assert calls == []
+        monkeypatch.undo()
+        assert all(r.success for r in drain(tier))
+        assert tier._budget.unreachable_files == 1
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[1]))
+        assert os.path.exists(tier.file_mapper.get_file_name(keys[3]))
+    finally:
+        tier.shutdown()
+        other.shutdown()
 
 
 def test_eviction_is_published_as_removed_kv_events(tmp_path):
@@ -702,3 +832,46 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     record = 2 + 2 * 32
     # 150 links written, compacted to those of the 4 indexed chunks
     assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)
+
+
+def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
+    """The keys lookup() reported present (with a key_file, what turns an
+    evicted chunk's cached hits into misses) are bounded (MAX_TRACKED_KEYS,
+    the least recently seen requests dropped first) and dropped when a
+    request finishes, also when several requests found the same key."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 8)
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path / "kv"),
+        rows,
+        max_bytes=64 * page,
+        key_file=key_file(tmp_path / "key"),
+    )
+    budget = tier._budget
+    try:
+        keys = [block_key(i) for i in range(20)]
+        assert all(r.success for r in store_keys(tier, keys, 0, rows))
+        contexts = [ReqContext(f"req{r}") for r in range(8)]
+        for r, ctx in enumerate(contexts):
+            # overlapping requests: keys 2r .. 2r+3
+            found = lookup_and_wait(tier, keys[2 * r : 2 * r + 4], ctx)
+            assert found == [LookupResult.HIT] * 4
+            assert budget._present_keys <= 8
+            assert sum(len(p) for p in budget._present.values()) == (
+                budget._present_keys
+            )
+            assert sum(sum(n.values()) for n in budget._present_by_chunk.values()) == (
+                budget._present_keys
+            )
+            if r % 2:
+                tier.on_request_finished(ctx)
+                assert ctx.req_id not in budget._present
+        for ctx in contexts:
+            tier.on_request_finished(ctx)
+        assert budget._present_keys == 0
+        assert not budget._present and not budget._present_by_chunk
+    finally:
+        tier.shutdown()

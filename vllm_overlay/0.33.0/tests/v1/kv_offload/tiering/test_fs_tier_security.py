@@ -635,6 +635,7 @@ def test_a_block_stored_anew_during_its_load_is_left_alone(
             with open(path, "wb") as f:
                 f.write(bytes(kv.shape[1]))
         theirs = bytes([7]) * kv.shape[1]
+        assert tier._mac is not None
         their_mac = tier._mac.compute(k, memoryview(theirs))
         read_blocks = io_mod._batch_load_block
 

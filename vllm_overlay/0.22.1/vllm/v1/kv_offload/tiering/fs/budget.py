@@ -91,7 +91,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -215,7 +215,7 @@ class FsTierBudget:
     def __init__(
         self,
         max_bytes: int,
-        file_size: int,
+        file_sizes: Sequence[int],
         rank_dir: str,
         key_path: Callable[[OffloadKey], str],
         chunk_path: Callable[[bytes, int], str],
@@ -225,7 +225,10 @@ class FsTierBudget:
         modes: FileModes = PRIVATE_MODES,
         on_removal_errors: Callable[[int, str], None] | None = None,
     ) -> None:
-        """prefix_groups: the KV cache groups a hit needs every earlier
+        """file_sizes: the bytes of a block file of each KV cache group (a
+        chunk's bytes: the sum over the groups it has files of).
+
+        prefix_groups: the KV cache groups a hit needs every earlier
         chunk of (full attention); None: every group. A key of such a group
         whose predecessor is on no disk is not written.
 
@@ -237,7 +240,11 @@ class FsTierBudget:
         on disk). on_removal_errors(count, last error): evicted files that
         could not be removed (the tier's rate-limited failure report)."""
         self.max_bytes = max_bytes
-        self.file_size = file_size
+        self.file_sizes = list(file_sizes)
+        # the size of every group's files where they are all one size
+        self._uniform_size = (
+            self.file_sizes[0] if len(set(self.file_sizes)) == 1 else None
+        )
         self.used = 0
         # evicted ahead, files not removed yet (counted against max_bytes)
         self.unlinking = 0
@@ -544,21 +551,21 @@ class FsTierBudget:
                 if state is not None:
                     chunks[parent] = state + PIN
                     pinned.append(parent)
-        file_size = self.file_size
-        nfiles = sum(b.bit_count() for b in new.values())
-        evicted = self._evict(nfiles * file_size)
-        room = max(0, (self.max_bytes - self.used - self.unlinking) // file_size)
+        size_of = self._bytes
+        nbytes = sum(size_of(b) for b in new.values())
+        evicted = self._evict(nbytes)
+        room = max(0, self.max_bytes - self.used - self.unlinking)
         rejected: dict[bytes, int] = {}
-        if nfiles > room:
+        if nbytes > room:
             # keep the chunks nearest the start of their prompt
             for h in sorted(new, key=_by_position(positions)):
-                n = new[h].bit_count()
+                n = size_of(new[h])
                 if n <= room:
                     room -= n
                 else:
                     room = -1
                     rejected[h] = new.pop(h)
-                    nfiles -= n
+                    nbytes -= n
             self.rejected_files += sum(b.bit_count() for b in rejected.values())
         created: list[bytes] = []
         for h, bits in new.items():
@@ -568,7 +575,7 @@ class FsTierBudget:
                 pinned.append(h)
                 created.append(h)
             chunks[h] = state | bits << GROUPS
-        self.used += nfiles * file_size
+        self.used += nbytes
         # link the new chunks to their parents (indexed, or new here)
         if parents:
             parent_of = self._parent
@@ -628,7 +635,7 @@ class FsTierBudget:
             state = chunks.get(h)
             if state is not None and state >> GROUPS & bit:
                 chunks[h] = state - (bit << GROUPS)
-                self.used -= self.file_size
+                self.used -= self._bytes(bit)
         for h in pinned:
             self._unpin(h)
 
@@ -638,6 +645,19 @@ class FsTierBudget:
         """A block hash's chunk id: the stem of its files' names."""
         chunk_id = self._chunk_id
         return block_hash if chunk_id is None else chunk_id(block_hash)
+
+    def _bytes(self, groups: int) -> int:
+        """The bytes of a chunk's files of the groups in a group bitmask."""
+        if self._uniform_size is not None:
+            return groups.bit_count() * self._uniform_size
+        sizes = self.file_sizes
+        n = 0
+        while groups:
+            g = (groups & -groups).bit_length() - 1
+            # a file of a group the layout does not have: counted as the last
+            n += sizes[g] if g < len(sizes) else sizes[-1]
+            groups &= groups - 1
+        return n
 
     def _group_bit(self, suffix: bytes) -> int:
         bit = self._group_bits.get(suffix)
@@ -716,7 +736,7 @@ class FsTierBudget:
         chunks = self._chunks
         del chunks[h]
         self._leaves.pop(h, None)
-        self.used -= (state >> GROUPS).bit_count() * self.file_size
+        self.used -= self._bytes(state >> GROUPS)
         parent = self._parent.pop(h, None)
         if parent is None:
             return
@@ -746,7 +766,7 @@ class FsTierBudget:
         on_hit()). Returns the evicted chunks; the caller removes their
         files."""
         evicted: Evicted = []
-        file_size = self.file_size
+        size_of = self._bytes
         if low is None:
             queue = self._to_unlink
             while self.used + self.unlinking + need > self.max_bytes:
@@ -754,7 +774,7 @@ class FsTierBudget:
                     h, groups = queue.pop()
                 except IndexError:
                     break
-                self.unlinking -= groups.bit_count() * file_size
+                self.unlinking -= size_of(groups)
                 evicted.append((h, groups))
             low = self.max_bytes - need
             floor = False
@@ -777,7 +797,7 @@ class FsTierBudget:
                 state = chunks.get(h)
                 if state is None or state & (PINS | CHILDREN):
                     continue  # pinned: listed again when unpinned
-                size = (state >> GROUPS).bit_count() * file_size
+                size = size_of(state >> GROUPS)
                 if floor and size > excess:
                     leaves[h] = None
                     leaves.move_to_end(h, last=False)
@@ -820,12 +840,11 @@ class FsTierBudget:
         if now == self._reported and not force:
             return
         logger.info(
-            "%s: %d of max_bytes=%d bytes used (%d files), %d files evicted "
+            "%s: %d of max_bytes=%d bytes used, %d files evicted "
             "and %d rejected since the previous report (%d and %d since start)",
             self._label,
             now[0],
             self.max_bytes,
-            now[0] // self.file_size,
             self.evicted_files - self._reported[1],
             self.rejected_files - self._reported[2],
             self.evicted_files,
@@ -857,10 +876,9 @@ class FsTierBudget:
                 self._drain()
                 self._forget_removed()
                 if self.used > self._high_water:
-                    file_size = self.file_size
                     for h, groups in self._evict(0, self._low_water):
                         self._to_unlink.append((h, groups))
-                        self.unlinking += groups.bit_count() * file_size
+                        self.unlinking += self._bytes(groups)
             self._unlink_ahead()
             self._write_journal()
             if stop:
@@ -877,7 +895,7 @@ class FsTierBudget:
                 return
             self._remove_files(self._paths(evicted))
             with self._lock:
-                self.unlinking -= evicted[0][1].bit_count() * self.file_size
+                self.unlinking -= self._bytes(evicted[0][1])
             self._removed(evicted)
 
     def _write_journal(self) -> None:
@@ -1017,7 +1035,7 @@ class FsTierBudget:
         children = found & CHILDREN
         if state is not None:  # stored again since start: merge
             add = found >> GROUPS & ~(state >> GROUPS)
-            self.used += add.bit_count() * self.file_size
+            self.used += self._bytes(add)
             chunks[h] = (state | add << GROUPS) + children
             if children:
                 self._leaves.pop(h, None)
@@ -1031,7 +1049,7 @@ class FsTierBudget:
         chunks[h] = found
         if parent is not None:
             self._parent[h] = parent
-        self.used += (found >> GROUPS).bit_count() * self.file_size
+        self.used += self._bytes(found >> GROUPS)
         if not children:
             self._leaves[h] = None
             self._leaves.move_to_end(h, last=False)

@@ -13,7 +13,7 @@ import stat
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import regex as re
@@ -392,6 +392,16 @@ def probe_direct_io(
     return None, False
 
 
+def _bounce(size: int) -> memoryview:
+    """This thread's page-aligned buffer of *size* bytes (O_DIRECT needs
+    one): a group file's data gathered from, or scattered to, the group's
+    runs of the row. Grown to the largest group file, never shrunk."""
+    buf = getattr(_thread_local, "bounce", None)
+    if buf is None or len(buf) < size:
+        buf = _thread_local.bounce = mmap.mmap(-1, max(size, mmap.PAGESIZE))
+    return memoryview(buf)[:size]
+
+
 def store_block(
     dest_path: str,
     buffer: memoryview,
@@ -404,6 +414,7 @@ def store_block(
     on_new_dir: Callable[[], None] | None = None,
     modes: FileModes = PRIVATE_MODES,
     chmod: bool = True,
+    runs: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """
     Store callback: Writes to a temp file then atomically replaces the destination.
@@ -420,6 +431,11 @@ def store_block(
     after the block's directory had to be created. Files and directories
     are created with *modes*; chmod=False skips the fchmod that sets the
     file's mode exactly where the umask cannot narrow it (umask_narrows()).
+
+    With *runs* ((offset from *offset*, length) pairs: the byte runs of the
+    row the key's KV cache group uses, see row_extents.py), the file holds
+    only those bytes, back to back and zero-padded to block_size, gathered
+    in a page-aligned buffer; without, the block_size bytes at *offset*.
 
     A store costs its syscalls (each also a GIL hand-over between the I/O
     threads): the directory is looked at only when the temp file cannot be
@@ -447,7 +463,17 @@ def store_block(
 
     # Write block atomically. Cast to a flat byte view so the slice uses byte
     # indices; the raw memoryview may be multi-dimensional with itemsize > 1.
-    view_slice = buffer.cast("B")[offset : offset + block_size]
+    flat = buffer.cast("B")
+    if runs is None:
+        view_slice = flat[offset : offset + block_size]
+    else:
+        view_slice = _bounce(block_size)
+        pos = 0
+        for run_offset, length in runs:
+            start = offset + run_offset
+            view_slice[pos : pos + length] = flat[start : start + length]
+            pos += length
+        view_slice[pos:] = bytes(block_size - pos)
     chunks = [view_slice]
     if checksum is not None:
         trailer = checksum.trailer()
@@ -489,6 +515,7 @@ def load_block(
     direct_io: bool = True,
     key: bytes = b"",
     checksum: BlockChecksum | None = None,
+    runs: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """
     Load callback: read one KV block from disk. Remove the file on failure.
@@ -496,10 +523,16 @@ def load_block(
     Only a regular file of exactly block_size bytes (plus the checksum's
     trailer) holds a block: anything else (a shorter or longer file, a
     directory, a symbolic link) fails the load, and so does a block whose
-    checksum does not match its bytes and *key*.
+    checksum does not match its bytes and *key*. With *runs* (see
+    store_block()), the file's bytes go to those runs of the row, once
+    checked; the row's other bytes are left as they are.
     """
     fd: int | None = None
-    view_slice = view.cast("B")[offset : offset + block_size]
+    flat = view.cast("B")
+    if runs is None:
+        view_slice = flat[offset : offset + block_size]
+    else:
+        view_slice = _bounce(block_size)
     chunks = [view_slice]
     file_size = block_size
     if checksum is not None:
@@ -536,6 +569,12 @@ def load_block(
                 f"{source_path} does not hold the block stored for its key "
                 f"({checksum.mismatch()})"
             )
+        if runs is not None:
+            pos = 0
+            for run_offset, length in runs:
+                start = offset + run_offset
+                flat[start : start + length] = view_slice[pos : pos + length]
+                pos += length
     except LinkInTreeError:
         raise  # the file is not the tier's: not removed
     except Exception as exc:

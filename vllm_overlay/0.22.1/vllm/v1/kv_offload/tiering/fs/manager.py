@@ -19,6 +19,16 @@ I/O mode:
     again, by the first store at least REPROBE_INTERVAL_S later, until it
     succeeds or fails for good.
 
+Useful bytes only:
+    A key's file holds the bytes of the CPU row its KV cache group's
+    transfers use (cpu/row_extents.py: not the tensors of other groups' layers,
+    not the padding of a mamba state), zero-padded to the page size: a group
+    whose bytes are one page-aligned run of the row is written and read in
+    place, else through a page-aligned per-thread buffer, so that O_DIRECT
+    works for every group. A load writes only the group's runs of the row.
+    Each group's file size is part of the layout (config.json), so files of
+    whole rows written before are never read.
+
 Integrity (the tier config's "checksum", off by default):
     With "xxh3_64" or "crc32", each block file holds the block followed by
     a checksum of the block's key and bytes, in a trailer (a page where the
@@ -66,16 +76,19 @@ import contextlib
 import errno
 import functools
 import json
+import mmap
 import os
 import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_idx
+from vllm.v1.kv_offload.cpu.row_extents import group_row_runs
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import (
     JobId,
@@ -116,6 +129,48 @@ logger = init_logger(__name__)
 REPROBE_INTERVAL_S = 60.0
 # Evicted chunks whose files one store task removes before its write.
 REMOVALS_PER_TASK = 16
+
+
+@dataclass(frozen=True)
+class GroupFile:
+    """How a KV cache group's block file maps to a row of the primary tier:
+    *size* bytes (the group's, page-aligned), at *offset* of the row when
+    runs is None, else gathered from (and scattered to) the row's *runs*."""
+
+    offset: int
+    size: int
+    runs: tuple[tuple[int, int], ...] | None = None
+
+
+def group_files(
+    offloading_spec: "OffloadingSpec", row_bytes: int
+) -> list[GroupFile] | None:
+    """Each KV cache group's file, from the CPU tier's row layout; None where
+    the rows (*row_bytes* each) are not the CPU offloading rows that
+    group_row_runs() describes (files of whole rows then)."""
+    per_worker = getattr(offloading_spec, "cpu_page_size_per_worker", None)
+    num_workers = offloading_spec.vllm_config.parallel_config.world_size
+    if (
+        not isinstance(per_worker, int)
+        or not isinstance(num_workers, int)
+        or per_worker * num_workers != row_bytes
+    ):
+        return None
+    # O_DIRECT needs page-aligned lengths, where the rows allow it at all
+    align = mmap.PAGESIZE if row_bytes % mmap.PAGESIZE == 0 else 1
+    files = []
+    for runs in group_row_runs(
+        offloading_spec.kv_cache_config,
+        offloading_spec.block_size_factor,
+        per_worker,
+        num_workers,
+    ):
+        size = -(-sum(n for _, n in runs) // align) * align
+        if len(runs) == 1 and runs[0][1] == size and runs[0][0] % align == 0:
+            files.append(GroupFile(runs[0][0], size))  # in place
+        else:
+            files.append(GroupFile(0, size, tuple(runs)))
+    return files
 
 
 def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
@@ -230,6 +285,14 @@ class FileSystemTierManager(SecondaryTierManager):
             BlockChecksum(checksum, self._block_size) if checksum != "none" else None
         )
         file_format = self._checksum.describe() if self._checksum else None
+
+        # what each group's files hold of a row (whole rows where unknown)
+        files = group_files(offloading_spec, self._block_size)
+        num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
+        self._whole_row = GroupFile(0, self._block_size)
+        self._group_files: list[GroupFile] = files or [self._whole_row] * max(
+            1, num_groups
+        )
         if tier_key is not None:
             # keyed files live apart from unkeyed ones; the key is not named
             file_format = {
@@ -245,19 +308,18 @@ class FileSystemTierManager(SecondaryTierManager):
             gpu_blocks_per_file=offloading_spec.block_size_factor,
             checksum=file_format,
             file_stem=tier_key.file_stem if tier_key is not None else None,
+            group_file_bytes=[f.size for f in files] if files else None,
         )
         if tier_key is not None:
             self._checksum = BlockMac(
                 tier_key.mac_key, self._block_size, self.file_mapper.layout_id()
             )
 
-        # bytes of one block file; a chunk has one per KV cache group
-        self._file_size = self._block_size + (
-            self._checksum.trailer_size if self._checksum else 0
-        )
-        num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
+        # bytes of each group's block files; a chunk has one per group
+        trailer = self._checksum.trailer_size if self._checksum else 0
+        self._file_sizes = [f.size + trailer for f in self._group_files]
         self._max_bytes = validate_max_bytes(
-            max_bytes, max(1, num_groups) * self._file_size, tier_type
+            max_bytes, sum(self._file_sizes), tier_type
         )
 
         # Write config file
@@ -341,7 +403,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 chunk_id = functools.partial(_keyed_chunk_id, tier_key.file_stem)
             self._budget = FsTierBudget(
                 self._max_bytes,
-                self._file_size,
+                self._file_sizes,
                 f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
                 self.file_mapper.get_file_name,
                 lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
@@ -362,12 +424,13 @@ class FileSystemTierManager(SecondaryTierManager):
                 on_removal_errors=self._pool.record_removal_errors,
             )
             logger.info(
-                "fs_python tier at %s: max_bytes=%d (%d chunk files of %d "
-                "bytes); indexing the files of earlier runs in the background",
+                "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
+                "per group, of %s bytes); indexing the files of earlier runs "
+                "in the background",
                 root_dir,
                 self._max_bytes,
-                self._max_bytes // self._file_size,
-                self._file_size,
+                self._max_bytes // sum(self._file_sizes),
+                self._file_sizes,
             )
             with contextlib.suppress(OSError):
                 st = os.statvfs(root_dir)
@@ -537,11 +600,12 @@ class FileSystemTierManager(SecondaryTierManager):
                 for _ in range(REMOVALS_PER_TASK):
                     share.append(evicted.popleft())
             self._budget.remove_evicted(share)
+        gf = self._group_file(key)
         store_block(
             self.file_mapper.get_file_name(key),
             self._primary_kv_view,
-            block_id * self._block_size,
-            self._block_size,
+            block_id * self._block_size + gf.offset,
+            gf.size,
             self._direct_io,
             rewrite,
             key,
@@ -549,6 +613,7 @@ class FileSystemTierManager(SecondaryTierManager):
             self._on_new_dir,
             self._modes,
             self._chmod_files,
+            gf.runs,
         )
 
     def _reject(self, key: OffloadKey) -> None:
@@ -557,6 +622,11 @@ class FileSystemTierManager(SecondaryTierManager):
             f"no room in max_bytes={self._max_bytes}: every indexed block file "
             "is in use by a transfer",
         )
+
+    def _group_file(self, key: OffloadKey) -> GroupFile:
+        g = get_offload_group_idx(key)
+        files = self._group_files
+        return files[g] if g < len(files) else self._whole_row
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         unloadable = self._unloadable
@@ -581,8 +651,8 @@ class FileSystemTierManager(SecondaryTierManager):
                     store_block,
                     self.file_mapper.get_file_name(key),
                     self._primary_kv_view,
-                    int(bid) * self._block_size,
-                    self._block_size,
+                    int(bid) * self._block_size + gf.offset,
+                    gf.size,
                     self._direct_io,
                     key in unloadable,
                     key,
@@ -590,8 +660,10 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._on_new_dir,
                     self._modes,
                     self._chmod_files,
+                    gf.runs,
                 )
                 for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
+                for gf in (self._group_file(key),)
             )
         reprobe_at = self._reprobe_at
         if (
@@ -617,13 +689,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 load_block,
                 self.file_mapper.get_file_name(key),
                 self._primary_kv_view,
-                int(bid) * self._block_size,
-                self._block_size,
+                int(bid) * self._block_size + gf.offset,
+                gf.size,
                 self._direct_io,
                 key,
                 self._checksum,
+                gf.runs,
             )
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
+            for gf in (self._group_file(key),)
         )
         self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
         self._load_jobs.add(job_metadata.job_id)

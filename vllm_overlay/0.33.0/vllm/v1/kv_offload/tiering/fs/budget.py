@@ -28,7 +28,9 @@ Where the order comes from:
     each time they have doubled: amortized O(1) per key. A key without a
     position or without a recorded predecessor is a root. A full-attention
     key whose predecessor is on no disk (evicted, or its store failed) could
-    never hit from there: it is not written.
+    never hit from there: it is not written. A predecessor that is not
+    indexed is on disk only if lookup() found it for the request (another
+    engine's file) or, until the start-up scan is done, if its file exists.
 
 Invariants:
     - used = the bytes of the indexed files plus those of stores in flight;
@@ -42,9 +44,20 @@ Invariants:
       lookup() in the current step (the tiering manager submits the
       promotions of a step's hits at its end, before the tier's
       on_schedule_end()), is pinned: never evicted under the transfer.
-    - Every scheduler-thread call is O(1) per key; start-up indexing, the
-      journal and removals (and their paths) run on other threads; a hit
-      costs the scheduler thread one append (pinned by the next eviction).
+    - Every scheduler-thread call is O(1) per key, with no filesystem call
+      once the start-up scan is done; start-up indexing, the journal and
+      removals (and their paths) run on other threads; a hit costs the
+      scheduler thread one append (pinned by the next eviction) and one
+      entry of the keys lookup() found (bounded like the request's keys).
+    - used counts every indexed file still on disk: a failed load forgets
+      only files it removed or that hold no block (a file it could not read,
+      EMFILE or EIO, stays counted and evictable); an evicted file that
+      cannot be removed (other than already gone) is counted in
+      removal_errors and in the tier's rate-limited failure report.
+    - An evicted chunk's keys become misses in lookup()'s cached verdicts:
+      all of them, or with keyed file names (which do not give the block
+      hash back) those lookup() found for requests not finished yet (those
+      with a cached verdict; the most recent MAX_TRACKED_KEYS of them).
     - The index is flat: a chunk is one int in a dict (flags, pins, kept
       children, group bitmask) and, when linked, one entry in a dict of
       parents; no Python object per chunk for the garbage collector, so a
@@ -177,6 +190,7 @@ class FsTierBudget:
         prefix_groups: Collection[int] | None = None,
         chunk_id: Callable[[bytes], bytes] | None = None,
         modes: FileModes = PRIVATE_MODES,
+        on_removal_errors: Callable[[int, str], None] | None = None,
     ) -> None:
         """chunk_tokens: the tokens of one chunk of each KV cache group (a
         key's predecessor ends that many tokens earlier). prefix_groups: the
@@ -189,7 +203,8 @@ class FsTierBudget:
         namespace's keyed hash; None: the block hash itself), and
         chunk_path maps it and a group index to the file's path. modes: the
         tier's file modes, which the journal gets too (it names the chunks
-        on disk)."""
+        on disk). on_removal_errors(count, last error): evicted files that
+        could not be removed (the tier's rate-limited failure report)."""
         self.max_bytes = max_bytes
         self.file_size = file_size
         self.used = 0
@@ -199,6 +214,7 @@ class FsTierBudget:
         self._chunk_id = chunk_id
         self._modes = modes
         self._label = label
+        self._on_removal_errors = on_removal_errors
         self._chunk_tokens = {
             g.to_bytes(4, "big"): tokens for g, tokens in chunk_tokens.items()
         }
@@ -229,6 +245,15 @@ class FsTierBudget:
         self._order_keys = 0  # their keys
         # req_id -> the number of recorded positions its last recall read
         self._recalled: dict[str, int] = {}
+        # req_id -> {key lookup() reported present: its chunk id}, bounded
+        # and dropped like _orders (scheduler thread only: no lock): such a
+        # key is on disk for a successor's store, and with keyed file names
+        # (which do not give the block hash back) an evicted chunk's keys
+        # whose cached lookup verdicts become misses
+        self._present: OrderedDict[str, dict[OffloadKey, bytes]] = OrderedDict()
+        self._present_keys = 0  # their keys
+        # keyed file names: chunk id -> {a present key of it: its requests}
+        self._present_by_chunk: dict[bytes, dict[OffloadKey, int]] = {}
         # evicted chunks whose files the I/O threads have not removed yet
         self._removing: set[bytes] = set()
         # the start-up scan's chunks not inserted yet (chunk id -> state);
@@ -238,6 +263,7 @@ class FsTierBudget:
         self.evicted_files = 0
         self.rejected_files = 0
         self.unreachable_files = 0  # not written: their prefix is not on disk
+        self.removal_errors = 0  # evicted files that could not be removed
         self._reported = (0, 0, 0)
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
 
@@ -302,6 +328,9 @@ class FsTierBudget:
         if dropped is not None:
             self._order_keys -= len(dropped)
         self._recalled.pop(req_id, None)
+        present = self._present.pop(req_id, None)
+        if present is not None:
+            self._drop_present(present)
 
     def on_hit(self, key: OffloadKey, req_context: ReqContext) -> None:
         """lookup() found the key's file: pinned before anything is evicted
@@ -309,6 +338,50 @@ class FsTierBudget:
         pinned; and its request's next chunk links to it."""
         self._hits.append(key)
         self.note_keys((key,), req_context)
+        req_id = req_context.req_id
+        present = self._present.get(req_id)
+        if present is None:
+            present = self._present[req_id] = {}
+        else:
+            self._present.move_to_end(req_id)
+        if key in present:
+            return  # a cached verdict asked again
+        h = present[key] = self._cid(key[:-4])
+        self._present_keys += 1
+        if self._chunk_id is not None:
+            requests = self._present_by_chunk.setdefault(h, {})
+            requests[key] = requests.get(key, 0) + 1
+        while self._present_keys > MAX_TRACKED_KEYS and len(self._present) > 1:
+            self._drop_present(self._present.popitem(last=False)[1])
+
+    def _drop_present(self, present: dict[OffloadKey, bytes]) -> None:
+        self._present_keys -= len(present)
+        if self._chunk_id is None:
+            return
+        by_chunk = self._present_by_chunk
+        for key, h in present.items():
+            requests = by_chunk.get(h)
+            if requests is None:
+                continue
+            n = requests.get(key, 0) - 1
+            if n > 0:
+                requests[key] = n
+            else:
+                requests.pop(key, None)
+                if not requests:
+                    del by_chunk[h]
+
+    def _on_disk(self, key: OffloadKey, req_id: str) -> bool:
+        """Whether a key that is not indexed has a file: one lookup() found
+        for the request (another engine's), or, until the start-up scan is
+        done, one of an earlier run not indexed yet. Once the scan is done
+        this is no filesystem call on the scheduler thread."""
+        present = self._present.get(req_id)
+        if present is not None and key in present:
+            return True
+        if self.scan_done.is_set():
+            return False  # neither stored nor found at start by this engine
+        return os.path.exists(self._key_path(key))
 
     def admit_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -337,10 +410,10 @@ class FsTierBudget:
                 g = k[-4:]
                 bit = gbits.get(g) or self._group_bit(g)
                 raw = k[:-4]
-                h = ids.get(raw)
-                if h is None:
-                    h = ids[raw] = self._chunk_id(raw)
-                job[h] = job.get(h, 0) | bit
+                cid = ids.get(raw)
+                if cid is None:
+                    cid = ids[raw] = self._chunk_id(raw)
+                job[cid] = job.get(cid, 0) | bit
         with self._lock:
             chunks = self._chunks
             pinned: list[bytes] = []
@@ -369,7 +442,7 @@ class FsTierBudget:
             unreachable: dict[bytes, int] = {}
             for h, bit, prev in orphans:
                 # not indexed here: on disk only if another engine stored it
-                if not os.path.exists(self._key_path(prev)):
+                if not self._on_disk(prev, req_context.req_id):
                     unreachable[h] = unreachable.get(h, 0) | bit
             if unreachable:
                 # and so are the chunks after them in the job
@@ -514,10 +587,18 @@ class FsTierBudget:
         self._removed(evicted)
 
     def evicted_keys(self, evicted: Evicted) -> list[OffloadKey]:
-        """The keys of evicted chunks (none for keyed file names, which do
-        not give their block hash back)."""
+        """The keys of evicted chunks: all of them, or for keyed file names
+        (which do not give their block hash back) those lookup() reported
+        present to a request not finished yet (whose cached verdicts are
+        hits)."""
         if self._chunk_id is not None:
-            return []
+            by_chunk = self._present_by_chunk
+            return [
+                k
+                for h, groups in evicted
+                for k in by_chunk.get(h, ())
+                if groups >> int.from_bytes(k[-4:], "big") & 1
+            ]
         return [
             OffloadKey(h + g.to_bytes(4, "big"))
             for h, groups in evicted
@@ -891,13 +972,25 @@ class FsTierBudget:
             self._leaves.move_to_end(h, last=False)
 
     def _remove_files(self, paths: Iterable[str]) -> int:
-        n = 0
+        """Remove files; returns how many were. A file already gone was
+        removed by another engine or never written; other failures (a
+        directory, a read-only mount) are counted and reported."""
+        n = errors = 0
+        error = ""
         for path in paths:
             try:
                 os.remove(path)
                 n += 1
-            except OSError:  # removed by another engine, or never written
+            except FileNotFoundError:
                 pass
+            except OSError as e:
+                errors += 1
+                error = str(e)
+        if errors:
+            with self._lock:
+                self.removal_errors += errors
+            if self._on_removal_errors is not None:
+                self._on_removal_errors(errors, error)
         return n
 
 

@@ -608,6 +608,7 @@ def batch_load_block(
         if failed is None or reads is None:
             raise
         first_exc = exc
+    assert reads is not None  # with an xattr name, a list
     view_B = view.cast("B")
     skip = set(failed)
     integrity_failed: list[int] = []
@@ -653,7 +654,9 @@ def _batch_load_block(
         except OSError as exc:
             found = getattr(exc, "xattr_reads", None)
             if found is not None:
-                exc.xattr_reads = [None if r is None else FileMac(*r) for r in found]
+                exc.xattr_reads = [  # type: ignore[attr-defined]
+                    None if r is None else FileMac(*r) for r in found
+                ]
             raise
         return [FileMac(*r) for r in found]
     else:

@@ -404,6 +404,11 @@ class FileSystemTierManager(SecondaryTierManager):
         # and the keys a failed store job left without a file
         self._budget_tickets: dict[JobId, JobTicket] = {}
         self._budget_failed: dict[JobId, list[OffloadKey]] = {}
+        # per failed load job: the indices of its failed keys whose file is
+        # gone or unloadable (a file a load failed to read, e.g. EMFILE or
+        # EIO, is still there and still counted). Same hand-off as
+        # _load_failures.
+        self._budget_load_gone: dict[JobId, list[int]] = {}
         self._budget_reported = (0, 0)  # evicted, rejected files in get_stats()
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
@@ -446,6 +451,7 @@ class FileSystemTierManager(SecondaryTierManager):
             or None,
             modes=self._modes,
             chunk_id=chunk_id,
+            on_removal_errors=self._pool.record_removal_errors,
         )
         logger.info(
             "'%s' KV offload tier at %s: max_bytes=%d (%d block files of %d "
@@ -758,14 +764,22 @@ class FileSystemTierManager(SecondaryTierManager):
                 # A planted file that failed its MAC and could not be removed
                 # (a read-only mount) is unloadable too.
                 integrity_failed = getattr(exc, "integrity_failed", ())
-                self._load_unloadable[job_id] = [
+                failed = range(len(paths)) if failed_indices is None else failed_indices
+                unloadable = [
                     i
-                    for i in (
-                        range(len(paths)) if failed_indices is None else failed_indices
-                    )
+                    for i in failed
                     if holds_no_block(paths[i], self._block_size)
                     or (i in integrity_failed and os.path.lexists(paths[i]))
                 ]
+                self._load_unloadable[job_id] = unloadable
+                if self._budget is not None:
+                    # the budget forgets these files; the others still count
+                    kept_broken = set(unloadable)
+                    self._budget_load_gone[job_id] = [
+                        i
+                        for i in failed
+                        if i in kept_broken or not is_block_path(paths[i])
+                    ]
                 # Surfaces errno (e.g. EMFILE "Too many open files") for both
                 # the C and Python load paths.
                 logger.debug(
@@ -844,13 +858,14 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def _finish_budget_job(self, job_id: JobId, success: bool) -> None:
         """Unpin the job's chunks; forget the files a failed job left
-        missing (a failed load removed its file)."""
+        missing or unloadable (a failed load removed a bad file; a file it
+        failed to read is still there and still counted)."""
         assert self._budget is not None
         failed: list[OffloadKey] = self._budget_failed.pop(job_id, [])
+        gone = self._budget_load_gone.pop(job_id, ())
         load_keys = self._load_job_keys.get(job_id)
-        if load_keys is not None and not success:
-            indices = self._load_failures.get(job_id)
-            failed = load_keys if indices is None else [load_keys[i] for i in indices]
+        if load_keys is not None and gone:
+            failed = [load_keys[i] for i in gone]
         self._budget.finish_job(self._budget_tickets.pop(job_id), failed)
 
     @override

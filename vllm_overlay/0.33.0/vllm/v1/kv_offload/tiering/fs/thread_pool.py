@@ -32,7 +32,9 @@ class _FailureReport:
         self._failed = {"store": 0, "load": 0}
         # blocks that failed their MAC (damaged or planted files)
         self._integrity = 0
-        self._last_error: Exception | None = None
+        # evicted files (max_bytes) that could not be removed
+        self._removals = 0
+        self._last_error: Exception | str | None = None
         self._next_report = float("-inf")
 
     def record(self, kind: str, error: Exception) -> None:
@@ -44,10 +46,20 @@ class _FailureReport:
         if line is not None:
             logger.error(*line)
 
+    def record_removals(self, failed: int, error: str) -> None:
+        """Evicted block files (max_bytes) that could not be removed: they
+        stay on disk beyond the budget until removed by hand."""
+        with self._lock:
+            self._removals += failed
+            self._last_error = error
+            line = self._take_line(force=False)
+        if line is not None:
+            logger.error(*line)
+
     def flush(self, force: bool = False) -> None:
         """Log the failures not reported yet: once the interval has passed
         (polled), or now (force, at shutdown)."""
-        if not (self._failed["store"] or self._failed["load"]):
+        if not (self._failed["store"] or self._failed["load"] or self._removals):
             return
         with self._lock:
             line = self._take_line(force)
@@ -56,7 +68,7 @@ class _FailureReport:
 
     def _take_line(self, force: bool) -> tuple | None:
         now = time.monotonic()
-        if not (self._failed["store"] or self._failed["load"]) or (
+        if not (self._failed["store"] or self._failed["load"] or self._removals) or (
             not force and now < self._next_report
         ):
             return None
@@ -67,18 +79,26 @@ class _FailureReport:
             if self._integrity
             else ""
         )
+        removals = (
+            f"; {self._removals} evicted block file(s) could not be removed "
+            "(they take disk space beyond max_bytes)"
+            if self._removals
+            else ""
+        )
         line = (
             "%s: %d store job(s) and %d load job(s) failed since the previous "
             "report (the blocks of failed stores are not stored, those that "
-            "failed to load are recomputed)%s; last error: %s",
+            "failed to load are recomputed)%s%s; last error: %s",
             self._label,
             self._failed["store"],
             self._failed["load"],
             integrity,
+            removals,
             self._last_error,
         )
         self._failed = {"store": 0, "load": 0}
         self._integrity = 0
+        self._removals = 0
         return line
 
 
@@ -203,6 +223,11 @@ class DualQueueThreadPool:
         while self._finished_q:
             jobs.append(self._finished_q.popleft())
         return jobs
+
+    def record_removal_errors(self, failed: int, error: str) -> None:
+        """Evicted files that could not be removed, in the rate-limited
+        failure report."""
+        self._failures.record_removals(failed, error)
 
     def wait_idle(self) -> None:
         """Block until there are no in-flight jobs.
