@@ -63,7 +63,7 @@ PR_ROOT = BUILD / "pr"
 PLACEHOLDER_NAME = "vllm-hma-tiering"
 STATE = "hma-pr"  # .git/hma-pr/<unit>: the HEAD make pr built for pr/<unit> last
 UNIT_KEYS = {"name", "title", "patches", "tests", "threads", "layouts", "problem", "change",
-             "overview", "claims"}
+             "overview", "claims", "measured"}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 TITLE_RE = re.compile(r"^\[[^\]]+\] \S")
 # Sentences of a commit message that only concern the fork: when the patch can go.
@@ -92,6 +92,7 @@ class Unit:
     change: str = ""
     overview: str = ""  # PR.md's Overview: 1-2 lines (default: the problem's first sentence)
     claims: list[str] = field(default_factory=list)  # a few bullets (default: commit subjects)
+    measured: list[Path] = field(default_factory=list)  # markdown files, folded into Details
 
 
 def resolve_patch(ref: str, series: list[Path]) -> Path | None:
@@ -161,10 +162,18 @@ def load_units(version: str) -> list[Unit]:
         for key in ("problem", "change", "overview"):
             if not isinstance(u.get(key, ""), str):
                 raise UserError(f"{where}: {key} must be a string (markdown)")
+        measured = u.get("measured", [])
+        if not isinstance(measured, list) or not all(isinstance(x, str) for x in measured):
+            raise UserError(f"{where}: measured must be a list of markdown files in {rel(folder)}/")
+        missing = [x for x in measured if not (folder / x).is_file()]
+        if missing:
+            raise UserError(f"{where}: measured names {', '.join(missing)}, not in {rel(folder)}/; "
+                            "write the file there or drop the name")
         units.append(Unit(name, title, patches, list(u.get("tests", [])),
                           list(u.get("threads", [])), list(u.get("layouts", [])),
                           u.get("problem", "").strip(), u.get("change", "").strip(),
-                          " ".join(u.get("overview", "").split()), list(u.get("claims", []))))
+                          " ".join(u.get("overview", "").split()), list(u.get("claims", [])),
+                          [folder / x for x in measured]))
     return units
 
 
@@ -723,6 +732,9 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
             + (f"; no files for: {', '.join(other)}" if other else "") + ".",
             *(["", "Not run here:"] + [f"- `{i}`: {why}" for i, why in hooks["not_run"]]
               if hooks["not_run"] else [])])
+    for measured in unit.measured:  # a measurement this unit's reviewers need, its heading the summary
+        heading, _, text = measured.read_text().strip().partition("\n")
+        details += fold(heading.lstrip("# "), [text.strip()])
     if unit.threads:
         details += fold("Related upstream threads", [f"- {x}" for x in unit.threads])
     # --- the template's sections, in its order

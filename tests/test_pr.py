@@ -458,3 +458,28 @@ def test_every_units_file_of_the_project_loads(monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_units_measurement_is_folded_into_details_and_left_unchanged():
+    """A unit's `measured` files go into PR.md's Details, folded under their heading; the file
+    itself is only read."""
+    import tempfile
+
+    units = {u.name: u for u in kit.load_units("0.33.0")}
+    unit = next(u for u in units.values() if u.measured)
+    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    sources = {p: p.read_bytes() for p in unit.measured}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "PR.md"
+        words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}", "0" * 40,
+                                [], None, None, None, ME, tpl,
+                                kit.builds_on(unit, list(units.values())))
+        md = path.read_text()
+    for p, data in sources.items():
+        assert p.read_bytes() == data
+        heading, _, body = data.decode().partition("\n")
+        assert f"<summary>{heading.lstrip('# ')}</summary>" in md
+        assert body.strip().splitlines()[0] in md
+    shown = re.sub(r"<details>.*?</details>", " ", md, flags=re.S)
+    assert body.strip().splitlines()[0] not in shown  # folded, not counted in the 400 words
+    assert words == kit.visible_words(md) <= kit.VISIBLE_WORDS
