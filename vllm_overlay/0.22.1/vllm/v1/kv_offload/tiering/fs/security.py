@@ -62,28 +62,44 @@ def _engine_groups() -> set[int]:
 
 
 def _unsafe_reason(
-    st: os.stat_result, uid: int, group_access: bool, is_root: bool
-) -> str | None:
-    """Why a directory with stat *st* (the root itself if *is_root*, else
-    one of its parents) cannot be trusted, or None."""
+    st: os.stat_result, path: str, group_access: bool, is_root: bool
+) -> tuple[str, str] | None:
+    """Why the directory *path* with stat *st* (the root itself if
+    *is_root*, else one of its parents) cannot be trusted, and the fix: a
+    (reason, fix) pair, or None."""
+    uid = os.geteuid()
     if st.st_uid not in (uid, 0):
-        return "is owned by another user"
+        return "is owned by another user", (
+            f"run the engine as that user, or use a root_dir owned by "
+            f"uid {uid} (chown {uid} {path})"
+        )
     if st.st_mode & stat.S_ISVTX and not is_root:
         return None  # only an entry's owner may rename or remove it
+    chmod_fix = (
+        "use a root_dir whose directories only the engine's user (and with "
+        "group_access its group) can write"
+    )
     if st.st_mode & stat.S_IWOTH:
+        fix = f"chmod {'o-w' if group_access else 'go-w'} {path}, or {chmod_fix}"
         if st.st_mode & stat.S_ISVTX:
             return (
                 "is writable by all users (the sticky bit does not stop them "
                 "creating the tier's directories and files in it)"
-            )
-        return "is writable by all users"
+            ), fix
+        return "is writable by all users", fix
     if st.st_mode & stat.S_IWGRP:
         if not group_access:
-            return "is writable by its group"
+            return "is writable by its group", (
+                f"chmod g-w {path}, or {chmod_fix}; or set the tier's "
+                "'group_access': true"
+            )
         if st.st_gid not in _engine_groups():
             return (
                 f"is writable by its group {st.st_gid}, which the engine's user "
                 "is not a member of"
+            ), (
+                f"chgrp {os.getegid()} {path} (a group of the engine's "
+                f"user), or chmod g-w {path}"
             )
     return None
 
@@ -92,7 +108,6 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
     """Raise ValueError unless *root_dir* and its parents are safe (see the
     module docstring) for the tier *tier_type*. Returns the resolved root
     (os.path.realpath), the one path the tier must use from then on."""
-    uid = os.geteuid()
     root = path = os.path.realpath(root_dir)
     while True:
         try:
@@ -109,32 +124,11 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
             ) from None
         if st is not None:
             is_root = path == root
-            reason = _unsafe_reason(st, uid, group_access, is_root)
-            if reason is not None:
+            unsafe = _unsafe_reason(st, path, group_access, is_root)
+            if unsafe is not None:
+                reason, fix = unsafe
                 what = "root_dir" if is_root else "a parent"
                 mode = stat.S_IMODE(st.st_mode)
-                if reason == "is owned by another user":
-                    fix = (
-                        f"run the engine as that user, or use a root_dir owned by "
-                        f"uid {uid} (chown {uid} {path})"
-                    )
-                elif "not a member" in reason:
-                    fix = (
-                        f"chgrp {os.getegid()} {path} (a group of the engine's "
-                        f"user), or chmod g-w {path}"
-                    )
-                else:
-                    if "group" in reason:
-                        bits = "g-w"
-                    else:
-                        bits = "o-w" if group_access else "go-w"
-                    fix = (
-                        f"chmod {bits} {path}, or use a root_dir whose directories "
-                        "only the engine's user (and with group_access its group) "
-                        "can write"
-                    )
-                    if "group" in reason:
-                        fix += "; or set the tier's 'group_access': true"
                 raise ValueError(
                     f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
                     f"{what}, {path} (mode {mode:04o}, owner uid "
