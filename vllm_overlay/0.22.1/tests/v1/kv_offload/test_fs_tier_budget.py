@@ -713,8 +713,9 @@ def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
 
 def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypatch):
     """Past HIGH_WATER percent of max_bytes the budget thread evicts down to
-    LOW_WATER percent, never below, and removes those files itself: stores
-    at a full budget then find room, and their tasks remove no file."""
+    LOW_WATER percent, never below, and hands the removal of those files to
+    the I/O threads: stores at a full budget then find room, and their
+    tasks remove no file."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     rows = _aligned_rows(8)
@@ -732,6 +733,14 @@ def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypa
         return remove(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "remove", recording_remove)
+    # what the store tasks remove themselves (a store that had to evict)
+    by_stores: list = []
+    remove_evicted = budget.remove_evicted
+    monkeypatch.setattr(
+        budget,
+        "remove_evicted",
+        lambda evicted: (by_stores.extend(evicted), remove_evicted(evicted)),
+    )
     try:
         assert budget.scan_done.wait(30)
         for n in range(100):
@@ -745,14 +754,18 @@ def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypa
                 assert budget.used >= low  # never below the low-water mark
         assert disk_bytes(str(tmp_path)) <= high
         assert budget.evicted_files >= 100 - 40
-        assert removers and set(removers) == {"vllm_kv_py_fs_budget"}, removers
+        assert not by_stores
+        # the I/O threads removed them, between the stores' tasks
+        assert len(removers) >= 100 - 40, removers
+        io_threads = ("vllm_kv_py_fs_s", "vllm_kv_py_fs_l")
+        assert all(n.startswith(io_threads) for n in removers), removers
     finally:
         tier.shutdown()
 
 
 def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeypatch):
-    """The budget thread's file removal hangs (a stuck filesystem): stores
-    that need the room take over the removals it has not started, write,
+    """The first removal of files evicted ahead hangs (a stuck file): stores
+    that need the room take over the removals not started or evict, write,
     and the files stay within max_bytes."""
     rows = _aligned_rows(8)
     page = rows.shape[1]
@@ -760,9 +773,20 @@ def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeyp
     budget = tier._budget
     stuck, release = threading.Event(), threading.Event()
     remove = os.remove
+    ahead = threading.local()
+    remove_ahead = budget._remove_ahead
+
+    def marked_remove_ahead():
+        ahead.on = True
+        try:
+            remove_ahead()
+        finally:
+            ahead.on = False
+
+    monkeypatch.setattr(budget, "_remove_ahead", marked_remove_ahead)
 
     def hanging_remove(path, *args, **kwargs):
-        if threading.current_thread().name == "vllm_kv_py_fs_budget":
+        if getattr(ahead, "on", False) and not stuck.is_set():
             stuck.set()
             release.wait(60)
         return remove(path, *args, **kwargs)
@@ -802,6 +826,52 @@ def test_a_file_that_cannot_be_removed_is_counted_and_reported(tmp_path, caplog)
         assert os.path.isdir(path1)
         lines = [r.getMessage() for r in caplog.records]
         assert any("1 evicted block file(s) could not be removed" in m for m in lines)
+    finally:
+        tier.shutdown()
+
+
+def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, caplog):
+    """A store refused for want of room (every file pinned) is the budget
+    working, not the disk failing: it fails its key and is reported on the
+    budget's own warning (at once, then at most one line per interval, with
+    the counts and max_bytes), never on the tier's I/O failure line; a
+    write that fails on the disk is still reported there."""
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    budget = tier._budget
+    a, b = key(1), key(2)
+    try:
+        with caplog.at_level(logging.WARNING):
+            store_keys(tier, [a, b], 0, rows)
+            assert tier.lookup(a, _CTX) and tier.lookup(b, _CTX)  # pinned
+            # two jobs in the step of the hits (their pins hold until it ends)
+            tier.submit_store(make_job(10, [key(3)], [2]))
+            tier.submit_store(make_job(20, [key(4)], [3]))
+            r1, r2 = _finish(tier, 2)
+            assert not r1.success and not r2.success
+            assert budget.rejected_files == 2
+            tier.get_finished()  # the end of the step releases the pins
+            # a write that fails on the disk: a non-empty directory in the way
+            path = tier.file_mapper.get_file_name(key(5))
+            os.makedirs(os.path.join(path, "x"))
+            (r3,) = store_keys(tier, [key(5)], 30, rows)
+            assert not r3.success
+            tier.shutdown()
+        warnings = [
+            r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+        ]
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        rejections = [m for m in warnings if "not written" in m]
+        # the first at once; the second within the interval at shutdown
+        assert len(rejections) == 2, rejections
+        assert "1 block file(s) of 1 store job(s)" in rejections[0]
+        assert f"max_bytes={2 * page}" in rejections[0]
+        assert "(2 and 2 since start)" in rejections[1]
+        # the I/O failure line counts the failed write only
+        assert len(errors) == 1, errors
+        assert "1 of 1 block writes" in errors[0]
+        assert "no room in max_bytes" not in errors[0]
     finally:
         tier.shutdown()
 

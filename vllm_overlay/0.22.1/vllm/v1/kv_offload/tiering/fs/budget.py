@@ -38,8 +38,14 @@ Where the work runs:
     the budget thread), and by the budget thread (at least once per
     JOURNAL_INTERVAL_S). Once the files and the stores in flight pass
     HIGH_WATER percent of max_bytes, the budget thread evicts ahead down
-    to LOW_WATER percent (never below) and removes those files itself, so
-    a store rarely evicts and its tasks rarely remove files before writing.
+    to LOW_WATER percent (never below), so a store rarely evicts and its
+    tasks rarely remove files before writing. The budget thread only marks
+    those chunks evicted; their files are removed by removal tasks it hands
+    to the tier's I/O threads (a few files each, between the jobs' tasks):
+    an unlink is a syscall and a GIL hand-off, and one thread unlinking
+    alone beside the I/O threads gets one turn in as many, so it fell
+    behind the writes at a full budget and the stores took its removals
+    over; spread over the I/O threads, removals keep pace with the writes.
 
 Invariants:
     - used + unlinking = the bytes of the indexed files, of the stores in
@@ -62,6 +68,8 @@ Invariants:
     - Start-up indexing, the journal, eviction ahead and removals (and
       their paths) run on other threads; a removal that fails (not a file
       already gone) is counted in the tier's rate-limited failure report.
+      A store refused for want of room is the budget working, not the
+      disk failing: rejections have their own rate-limited warning.
     - The index is flat: a chunk is one int in a dict (flags, pins, kept
       children, group bitmask) and, when linked, one entry in a dict of
       parents; no Python object per chunk for the garbage collector, so a
@@ -125,7 +133,8 @@ JOURNAL_BATCH = 16384
 SCAN_BATCH = 1024
 SCAN_PAUSE_S = 0.001
 # The budget's report (used bytes, evictions, rejections): at most one line
-# per interval, and only when something changed.
+# per interval, and only when something changed. Stores refused for want of
+# room: a warning at once, then at most one per interval, with the counts.
 REPORT_INTERVAL_S = 30.0
 # Evicting ahead: once the files and the stores in flight pass HIGH_WATER
 # percent of max_bytes, the budget thread evicts down to LOW_WATER percent
@@ -133,6 +142,9 @@ REPORT_INTERVAL_S = 30.0
 # tasks rarely remove files before they write.
 HIGH_WATER = 95
 LOW_WATER = 90
+# Files evicted ahead that one removal task on an I/O thread removes: a few,
+# so that the removals of one eviction spread over the I/O threads.
+AHEAD_REMOVALS_PER_TASK = 4
 # Events the scheduler thread posts before it wakes the budget thread to
 # apply them (the I/O threads apply them with each store job, the budget
 # thread at least once per JOURNAL_INTERVAL_S).
@@ -158,6 +170,12 @@ Evicted = list[tuple[bytes, int]]
 # What finish_job() needs of a job: the chunks it pinned, and for a store the
 # group bitmask of the files it adds, per chunk (None for a load).
 JobTicket = tuple[list[bytes], dict[bytes, int] | None]
+
+
+class BudgetRejection(OSError):
+    """A store task refused by the budget (no room: every indexed file is
+    in use by a transfer): its key fails, but the disk did not (reported as
+    a rejection, not as a failed write)."""
 
 
 class Admission:
@@ -224,6 +242,7 @@ class FsTierBudget:
         chunk_id: Callable[[bytes], bytes] | None = None,
         modes: FileModes = PRIVATE_MODES,
         on_removal_errors: Callable[[int, str], None] | None = None,
+        run_removals: Callable[[list[Callable[[], None]]], None] | None = None,
     ) -> None:
         """file_sizes: the bytes of a block file of each KV cache group (a
         chunk's bytes: the sum over the groups it has files of).
@@ -238,7 +257,10 @@ class FsTierBudget:
         chunk_path maps it and a group index to the file's path. modes: the
         tier's file modes, which the journal gets too (it names the chunks
         on disk). on_removal_errors(count, last error): evicted files that
-        could not be removed (the tier's rate-limited failure report)."""
+        could not be removed (the tier's rate-limited failure report).
+        run_removals(tasks): runs the removal tasks of the files evicted
+        ahead on the tier's I/O threads; None: the budget thread removes
+        them itself."""
         self.max_bytes = max_bytes
         self.file_sizes = list(file_sizes)
         # the size of every group's files where they are all one size
@@ -251,6 +273,9 @@ class FsTierBudget:
         self._high_water = max_bytes * HIGH_WATER // 100
         self._low_water = max_bytes * LOW_WATER // 100
         self._on_removal_errors = on_removal_errors
+        self._run_removals = run_removals
+        # removal tasks handed to run_removals and not started yet
+        self._removal_tasks = 0
         self._rank_dir = rank_dir
         self._key_path = key_path
         self._chunk_path = chunk_path
@@ -303,6 +328,11 @@ class FsTierBudget:
         self.unreachable_files = 0  # not written: their prefix is not on disk
         self._reported = (0, 0, 0)
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
+        # rejections: (files, jobs) at the last warning, and when the next
+        # one is due (the first is at once)
+        self.rejected_jobs = 0
+        self._warned_rejections = (0, 0)
+        self._next_rejection_warning = 0.0
 
         # the start-up scan, eviction ahead and its removals, and the
         # journal's records run on this thread
@@ -364,8 +394,11 @@ class FsTierBudget:
         events.append((_STEP,))
         if len(events) > MAX_EVENTS or len(self._journal_q) > JOURNAL_BATCH:
             self._kick()
-        if time.monotonic() >= self._next_report:
+        now = time.monotonic()
+        if now >= self._next_report:
             self._report()
+        if now >= self._next_rejection_warning:
+            self._warn_rejections()
 
     def shutdown(self) -> None:
         with self._wake:
@@ -375,6 +408,7 @@ class FsTierBudget:
         with self._lock:
             self._drain()
         self._report(force=True)
+        self._warn_rejections()
 
     # ---- I/O threads --------------------------------------------------------
 
@@ -392,6 +426,9 @@ class FsTierBudget:
                 self._drain(job)
             if self.used > self._high_water:
                 self._kick()  # evict ahead, off the write path
+            rejected = job.result is not None and job.result[0]
+            if rejected and time.monotonic() >= self._next_rejection_warning:
+                self._warn_rejections()
         assert job.result is not None
         return job.result
 
@@ -567,6 +604,7 @@ class FsTierBudget:
                     rejected[h] = new.pop(h)
                     nbytes -= n
             self.rejected_files += sum(b.bit_count() for b in rejected.values())
+            self.rejected_jobs += 1
         created: list[bytes] = []
         for h, bits in new.items():
             state = chunks.get(h)
@@ -852,6 +890,31 @@ class FsTierBudget:
         )
         self._reported = now
 
+    def _warn_rejections(self) -> None:
+        """Stores refused since the previous warning, if any (at most one
+        line per REPORT_INTERVAL_S; read without the lock: counters)."""
+        files, jobs = self.rejected_files, self.rejected_jobs
+        last_files, last_jobs = self._warned_rejections
+        if files == last_files:
+            return
+        self._warned_rejections = (files, jobs)
+        self._next_rejection_warning = time.monotonic() + REPORT_INTERVAL_S
+        logger.warning(
+            "%s: %d block file(s) of %d store job(s) not written since the "
+            "previous report (%d and %d since start): no room in "
+            "max_bytes=%d (%d bytes used, %d being removed) once every file "
+            "not in use by a transfer was evicted. The disk did not fail; "
+            "the keys are not offloaded. A larger max_bytes keeps them.",
+            self._label,
+            files - last_files,
+            jobs - last_jobs,
+            files,
+            jobs,
+            self.max_bytes,
+            self.used,
+            self.unlinking,
+        )
+
     # ---- budget thread: the start-up scan, eviction ahead, the journal ---
 
     def _kick(self) -> None:
@@ -885,9 +948,20 @@ class FsTierBudget:
                 return
 
     def _unlink_ahead(self) -> None:
-        """Remove the files of the chunks evicted ahead, one chunk at a time
-        (a store that needs the room first takes over the rest)."""
+        """Remove the files of the chunks evicted ahead: hand removal tasks
+        for them to the I/O threads (run_removals), or remove them here one
+        chunk at a time (a store that needs the room first takes over the
+        rest)."""
         queue = self._to_unlink
+        if self._run_removals is not None:
+            with self._lock:
+                tasks = -(-len(queue) // AHEAD_REMOVALS_PER_TASK)
+                tasks -= self._removal_tasks  # handed over, not started
+                if tasks <= 0 or self._stop:
+                    return
+                self._removal_tasks += tasks
+            self._run_removals([self._remove_ahead] * tasks)
+            return
         while not self._stop:
             try:
                 evicted = [queue.popleft()]
@@ -897,6 +971,24 @@ class FsTierBudget:
             with self._lock:
                 self.unlinking -= self._bytes(evicted[0][1])
             self._removed(evicted)
+
+    def _remove_ahead(self) -> None:
+        """A removal task (on an I/O thread): remove the files of up to
+        AHEAD_REMOVALS_PER_TASK chunks evicted ahead, those a store has not
+        taken over."""
+        queue = self._to_unlink
+        evicted: Evicted = []
+        with self._lock:
+            self._removal_tasks -= 1
+            while queue and len(evicted) < AHEAD_REMOVALS_PER_TASK:
+                evicted.append(queue.popleft())
+        if not evicted:
+            return
+        self._remove_files(self._paths(evicted))
+        size_of = self._bytes
+        with self._lock:
+            self.unlinking -= sum(size_of(groups) for _, groups in evicted)
+        self._removed(evicted)
 
     def _write_journal(self) -> None:
         q = self._journal_q

@@ -98,6 +98,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.kv_offload.tiering.fs.budget import (
     Admission,
+    BudgetRejection,
     FsTierBudget,
     validate_max_bytes,
 )
@@ -422,6 +423,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 chunk_id=chunk_id,
                 modes=self._modes,
                 on_removal_errors=self._pool.record_removal_errors,
+                run_removals=self._pool.enqueue_removals,
             )
             logger.info(
                 "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
@@ -617,7 +619,8 @@ class FileSystemTierManager(SecondaryTierManager):
         )
 
     def _reject(self, key: OffloadKey) -> None:
-        raise OSError(
+        # reported by the budget's rejection warning, not as a failed write
+        raise BudgetRejection(
             errno.ENOSPC,
             f"no room in max_bytes={self._max_bytes}: every indexed block file "
             "is in use by a transfer",

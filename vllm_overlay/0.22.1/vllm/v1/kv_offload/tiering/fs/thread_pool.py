@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.base import JobId
+from vllm.v1.kv_offload.tiering.fs.budget import BudgetRejection
 from vllm.v1.kv_offload.tiering.fs.io import BlockIntegrityError
 
 logger = init_logger(__name__)
@@ -148,6 +149,7 @@ class JobState:
         "failed",
         "first_error",
         "integrity_failures",
+        "rejected",
         "op",
         "_lock",
     )
@@ -164,6 +166,8 @@ class JobState:
         self.first_error: str | None = None
         # failed tasks whose block failed its checksum or MAC
         self.integrity_failures = 0
+        # failed tasks the budget refused (no room): not failed I/O
+        self.rejected = 0
         self._lock = threading.Lock()
 
     @property
@@ -180,6 +184,9 @@ class JobState:
             self._completed += 1
             if error is not None:
                 self.failed.append(task_idx)
+                if isinstance(error, BudgetRejection):
+                    self.rejected += 1  # reported by the budget
+                    return self._completed == self._n_tasks
                 if isinstance(error, BlockIntegrityError):
                     self.integrity_failures += 1
                 if self.first_error is None:
@@ -266,6 +273,17 @@ class DualQueueThreadPool:
                 queue.append((fn, state, task_idx))
             self._condition.notify(n_tasks)
 
+    def enqueue_removals(self, tasks: list[Callable[[], None]]) -> None:
+        """Removal tasks of the budget (files evicted ahead): run by the
+        I/O threads in turn with the store tasks, after those queued; no
+        job waits for them (a failure is counted as a failed removal)."""
+        with self._condition:
+            if self._stop:
+                return
+            for fn in tasks:
+                self._store_q.append((fn, None, 0))
+            self._condition.notify(len(tasks))
+
     def record_removal_errors(self, failed: int, error: str) -> None:
         """Evicted files that could not be removed, in the rate-limited
         failure report."""
@@ -304,6 +322,12 @@ class DualQueueThreadPool:
                 task, state, task_idx = (
                     primary.popleft() if primary else secondary.popleft()
                 )
+            if state is None:  # a removal task (see enqueue_removals())
+                try:
+                    task()
+                except Exception as exc:
+                    self._failures.record_removals(1, str(exc))
+                continue
             try:
                 task()
                 job_finished = state.task_done(task_idx)
@@ -311,10 +335,11 @@ class DualQueueThreadPool:
                 job_finished = state.task_done(task_idx, exc)
 
             if job_finished:
-                if state.failed:
+                failed = len(state.failed) - state.rejected
+                if failed:
                     self._failures.record(
                         state.op,
-                        len(state.failed),
+                        failed,
                         state.n_tasks,
                         state.first_error,
                         state.integrity_failures,
