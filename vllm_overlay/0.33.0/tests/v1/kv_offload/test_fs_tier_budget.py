@@ -418,6 +418,21 @@ def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
     return results
 
 
+def applied(budget):
+    """The budget once the events the scheduler thread posted so far are
+    applied (the next store job's task or the budget thread would)."""
+    with budget._lock:
+        budget._drain()
+    return budget
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def prompt_ctx(req_id: str, keys: list[OffloadKey]) -> ReqContext:
     """A request's context with its keys' positions, as the connector
     records them (16 tokens a chunk)."""
@@ -501,7 +516,9 @@ def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
 
         budget.remove_evicted = held_remove
         tier.submit_store(make_job(1, [k2], [1]))
-        # k1 is evicted, its file still on disk until the removal runs
+        # its task's admission evicts k1, whose file stays on disk until the
+        # removal runs
+        wait_until(lambda: budget.is_removing(k1))
         assert os.path.exists(path1)
         assert tier.lookup(k1, _CTX) is LookupResult.MISS
         tier.submit_store(make_job(2, [k1], [2]))
@@ -820,7 +837,7 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
             assert sum(len(o) for o in budget._orders.values()) <= 64
             if r % 2:
                 tier.on_request_finished(ctx)
-                assert ctx.req_id not in budget._orders
+                assert ctx.req_id not in applied(budget)._orders
         # the last request's chunks are kept, linked head to tail
         last = [block_key(49000 + i) for i in range(4)]
         assert lookup_and_wait(tier, last) == [LookupResult.HIT] * 4
@@ -859,7 +876,7 @@ def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
             # overlapping requests: keys 2r .. 2r+3
             found = lookup_and_wait(tier, keys[2 * r : 2 * r + 4], ctx)
             assert found == [LookupResult.HIT] * 4
-            assert budget._present_keys <= 8
+            assert 0 < applied(budget)._present_keys <= 8
             assert sum(len(p) for p in budget._present.values()) == (
                 budget._present_keys
             )
@@ -868,10 +885,185 @@ def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
             )
             if r % 2:
                 tier.on_request_finished(ctx)
-                assert ctx.req_id not in budget._present
+                assert ctx.req_id not in applied(budget)._present
         for ctx in contexts:
             tier.on_request_finished(ctx)
-        assert budget._present_keys == 0
+        assert applied(budget)._present_keys == 0
         assert not budget._present and not budget._present_by_chunk
+    finally:
+        tier.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# Off the scheduler thread
+# ---------------------------------------------------------------------------
+
+_BUDGET_THREAD = "vllm_kv_py_fs_budget"
+
+
+def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
+    """The budget's work (admission, eviction, pins, the orphan check) runs
+    off the scheduler thread: with the budget's lock held by another
+    thread, lookup(), submit_store(), submit_load(), on_schedule_end(),
+    get_finished_jobs() and on_request_finished() return at once; once the
+    lock is free, the jobs finish and the budget holds."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=2 * page)
+    budget = tier._budget
+    try:
+        assert budget.scan_done.wait(30)
+        keys = [block_key(i) for i in range(4)]
+        store_keys(tier, keys[:2], 40, rows)
+        assert lookup_and_wait(tier, [keys[0]]) == [LookupResult.HIT]
+        locked, release = threading.Event(), threading.Event()
+
+        def hold_lock():
+            with budget._lock:
+                locked.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        assert locked.wait(30)
+        results: list = []
+
+        def scheduler_calls():
+            assert tier.lookup(keys[0], _CTX) is LookupResult.HIT
+            # keys[2]'s predecessor (key 9) is indexed nowhere: an orphan
+            ctx = prompt_ctx("req", [block_key(9), keys[2], keys[3]])
+            tier.submit_store(TransferJob(5, keys[2:], np.arange(2, 4), False, ctx))
+            tier.submit_load(make_job(6, [keys[0]], [6], is_promotion=True))
+            tier.on_schedule_end(ScheduleEndContext((), ()))
+            results.extend(tier.get_finished_jobs())
+            tier.on_request_finished(ctx)
+
+        calls = threading.Thread(target=scheduler_calls, name="scheduler")
+        calls.start()
+        calls.join(10)
+        blocked = calls.is_alive()
+        release.set()
+        holder.join(30)
+        calls.join(30)
+        assert not blocked, "a scheduler-side call waited on the budget's lock"
+        results.extend(drain(tier))
+        assert sorted(r.job_id for r in results) == [5, 6]
+        assert all(r.success for r in results)
+        # keys[2] is not worth writing (its predecessor is on no disk), and
+        # so is keys[3] after it; the load of keys[0] read its bytes
+        assert budget.unreachable_files == 2
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[2]))
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[3]))
+        assert (rows[6] == 40.0).all()
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypatch):
+    """Past HIGH_WATER percent of max_bytes the budget thread evicts down to
+    LOW_WATER percent, never below, and removes those files itself: stores
+    at a full budget then find room, and their tasks remove no file."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=40 * page)
+    budget = tier._budget
+    low = 40 * page * getattr(budget_module, "LOW_WATER", 90) // 100
+    high = 40 * page * getattr(budget_module, "HIGH_WATER", 95) // 100
+    removers: list[str] = []
+    remove = os.remove
+
+    def recording_remove(path, *args, **kwargs):
+        if path.endswith(".bin"):
+            removers.append(threading.current_thread().name)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", recording_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        for n in range(100):
+            (result,) = store_keys(tier, [block_key(n)], n, rows)
+            assert result.success
+            if n == 0:  # a cached verdict, and no promotion in its step
+                assert lookup_and_wait(tier, [block_key(0)]) == [LookupResult.HIT]
+                tier.on_schedule_end(ScheduleEndContext((), ()))
+            # at rest: under the high-water mark, its files all removed
+            wait_until(
+                lambda: budget.used <= high and not getattr(budget, "unlinking", 0),
+                timeout=10,
+            )
+            assert budget.used <= 40 * page
+            if n >= 40:
+                assert budget.used >= low  # never below the low-water mark
+        assert disk_bytes(str(tmp_path)) <= high
+        assert budget.evicted_files >= 100 - 40
+        assert removers and set(removers) == {_BUDGET_THREAD}, removers
+        # the evicted keys reached the scheduler thread: the cached verdict
+        # of key 0, evicted ahead, is a miss
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert tier.lookup(block_key(0), _CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeypatch):
+    """The budget thread's file removal hangs (a stuck filesystem): stores
+    that need the room take over the removals it has not started, write,
+    and the files stay within max_bytes."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=20 * page)
+    budget = tier._budget
+    stuck, release = threading.Event(), threading.Event()
+    remove = os.remove
+
+    def hanging_remove(path, *args, **kwargs):
+        if threading.current_thread().name == _BUDGET_THREAD:
+            stuck.set()
+            release.wait(60)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", hanging_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [block_key(n) for n in range(20)], 0, rows)
+        assert stuck.wait(30)  # evicting ahead, stuck in its first removal
+        new = [block_key(100 + n) for n in range(10)]
+        results = store_keys(tier, new, 20, rows)
+        assert all(r.success for r in results)
+        assert lookup_and_wait(tier, new) == [LookupResult.HIT] * 10
+        assert disk_bytes(str(tmp_path)) <= 20 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_a_file_the_budget_thread_cannot_remove_is_reported(tmp_path, caplog_vllm):
+    """An evicted-ahead file whose removal fails (here a directory at its
+    path) is counted and reported in the tier's rate-limited failure
+    report, as a store's removal is."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=20 * page)
+    budget = tier._budget
+    try:
+        assert budget.scan_done.wait(30)
+        keys = [block_key(n) for n in range(20)]
+        assert all(r.success for r in store_keys(tier, keys[:19], 0, rows))
+        path = tier.file_mapper.get_file_name(keys[0])  # the least recent
+        os.remove(path)
+        os.makedirs(os.path.join(path, "x"))
+        with caplog_vllm.at_level(logging.ERROR):
+            # past the high-water mark: the budget thread evicts ahead
+            assert all(r.success for r in store_keys(tier, keys[19:], 19, rows))
+            wait_until(lambda: budget.removal_errors == 1, timeout=10)
+        errors = [r.getMessage() for r in caplog_vllm.records if r.levelname == "ERROR"]
+        assert any(
+            "1 evicted block file(s) could not be removed" in m for m in errors
+        ), errors
+        assert os.path.isdir(path)
     finally:
         tier.shutdown()

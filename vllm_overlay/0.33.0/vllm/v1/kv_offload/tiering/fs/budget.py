@@ -32,23 +32,43 @@ Where the order comes from:
     indexed is on disk only if lookup() found it for the request (another
     engine's file) or, until the start-up scan is done, if its file exists.
 
+Where the work runs:
+    The scheduler thread only posts events (a lookup() hit, a store or load
+    job, its end, a finished request, the end of an engine step) to a
+    queue: O(1) per call, no lock, no filesystem call. The events are
+    applied in order, under one lock, by the store job's I/O task (its
+    admission needs every event posted before it; a store never waits on
+    the budget thread), and by the budget thread (at least once per
+    JOURNAL_INTERVAL_S). Once the files and the stores in flight pass
+    HIGH_WATER percent of max_bytes, the budget thread evicts ahead down
+    to LOW_WATER percent (never below) and removes those files itself, so
+    a store rarely evicts and its task rarely removes files before writing.
+    The keys of evicted chunks go back to the scheduler thread (see
+    take_evicted_keys()): its cached lookup() verdicts become misses.
+
 Invariants:
-    - used = the bytes of the indexed files plus those of stores in flight;
-      a store reserves its bytes (evicting first) before its files are
-      written, and each of its tasks removes its share of the evicted files
-      before it writes, so the tier's files never exceed max_bytes by more
-      than the writes of one store job. A store that does not fit once
-      everything evictable is gone fails for the keys that do not (the
-      chunks farthest from the prompt's start first).
+    - used + unlinking = the bytes of the indexed files, of the stores in
+      flight and of the files evicted ahead not removed yet; a store
+      reserves its bytes (evicting first, taking over the budget thread's
+      removals not started yet) before its files are written, and its task
+      removes the files it evicted before it writes, so the tier's files
+      never exceed max_bytes by more than the writes of one store job. A
+      store that does not fit once everything evictable is gone fails for
+      the keys that do not (the chunks farthest from the prompt's start
+      first).
     - A chunk with a store or load in flight, or reported present by
-      lookup() in the current step (the tiering manager submits the
-      promotions of a step's hits at its end, before the tier's
-      on_schedule_end()), is pinned: never evicted under the transfer.
-    - Every scheduler-thread call is O(1) per key, with no filesystem call
-      once the start-up scan is done; start-up indexing, the journal and
-      removals (and their paths) run on other threads; a hit costs the
-      scheduler thread one append (pinned by the next eviction) and one
-      entry of the keys lookup() found (bounded like the request's keys).
+      lookup() in an engine step whose end is not applied yet (the tiering
+      manager submits the promotions of a step's hits at its end, before
+      the tier's on_schedule_end()), is pinned: never evicted under the
+      transfer. Events apply in the scheduler's order, so a store submitted
+      in the step of a hit sees its pin; a lookup() racing with an eviction
+      either keeps its chunk (the hit is read after the victims are marked)
+      or answers a miss (the chunk stays removing until its files are gone
+      and the scheduler thread took its keys).
+    - Every scheduler-thread call is O(1) per key (most O(1) per call),
+      with no lock and no filesystem call; start-up indexing, admission,
+      eviction (ahead), the journal and removals (and their paths) run on
+      other threads; a hit costs the scheduler thread two appends.
     - used counts every indexed file still on disk: a failed load forgets
       only files it removed or that hold no block (a file it could not read,
       EMFILE or EIO, stays counted and evictable); an evicted file that
@@ -118,6 +138,18 @@ SCAN_PAUSE_S = 0.001
 # The budget's report (used bytes, evictions, rejections): at most one line
 # per interval, and only when something changed.
 REPORT_INTERVAL_S = 30.0
+# Evicting ahead: once the files and the stores in flight pass HIGH_WATER
+# percent of max_bytes, the budget thread evicts down to LOW_WATER percent
+# (never below) and removes the files, so that a store rarely evicts and its
+# task rarely removes files before it writes.
+HIGH_WATER = 95
+LOW_WATER = 90
+# Events the scheduler thread posts before it wakes the budget thread to
+# apply them (the I/O threads apply them with each store job, the budget
+# thread at least once per JOURNAL_INTERVAL_S).
+MAX_EVENTS = 65536
+# The events
+_HIT, _FORGET, _ADMIT, _STEP, _FINISH, _LOAD = range(6)
 
 
 # A chunk's state in the index is one int, so that the index holds no Python
@@ -137,6 +169,23 @@ Evicted = list[tuple[bytes, int]]
 # What finish_job() needs of a job: the chunks it pinned, and for a store the
 # group bitmask of the files it adds, per chunk (None for a load).
 JobTicket = tuple[list[bytes], dict[bytes, int] | None]
+
+
+class Admission:
+    """A store or load job's share of the budget: posted by the scheduler
+    thread, decided when its event is applied (see FsTierBudget._drain())."""
+
+    __slots__ = ("keys", "req_context", "result", "ticket")
+
+    def __init__(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None
+    ) -> None:
+        self.keys = keys
+        self.req_context = req_context
+        # a store's: the keys that do not fit, the keys not worth writing,
+        # the evicted chunks whose files its task removes before it writes
+        self.result: tuple[set[OffloadKey], set[OffloadKey], Evicted] | None = None
+        self.ticket: JobTicket | None = None
 
 
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
@@ -175,8 +224,9 @@ def _slot(position: int, group_idx: int) -> int:
 
 class FsTierBudget:
     """The index, the eviction order and the start-up scan of a budgeted
-    fs tier (see the module docstring). Thread-safe: the scheduler
-    thread and the start-up scan share it under one lock."""
+    fs tier (see the module docstring). The scheduler thread only
+    posts events; the I/O threads and the budget thread apply them in order
+    under one lock."""
 
     def __init__(
         self,
@@ -208,6 +258,10 @@ class FsTierBudget:
         self.max_bytes = max_bytes
         self.file_size = file_size
         self.used = 0
+        # evicted ahead, files not removed yet (counted against max_bytes)
+        self.unlinking = 0
+        self._high_water = max_bytes * HIGH_WATER // 100
+        self._low_water = max_bytes * LOW_WATER // 100
         self._rank_dir = rank_dir
         self._key_path = key_path
         self._chunk_path = chunk_path
@@ -234,28 +288,38 @@ class FsTierBudget:
         self._leaves: OrderedDict[bytes, None] = OrderedDict()
         # a key's 4-byte group suffix -> its bit in a group bitmask
         self._group_bits: dict[bytes, int] = {}
-        # keys lookup() found in the current step: pinned by the next
-        # eviction before it evicts (one append per hit on the scheduler
-        # thread), and the chunks they pinned
-        self._hits: deque[OffloadKey] = deque()
+        # what the scheduler thread posts (hits, jobs, finished requests,
+        # steps), applied in order by _drain(); the keys of its hits not
+        # drained yet
+        self._events: deque[tuple] = deque()
+        self._pending_hits: deque[OffloadKey] = deque()
+        # the chunks that lookup() hits pinned in the current engine step
         self._step_pins: list[bytes] = []
         # req_id -> {_slot(position, group): the request's key there}, the
-        # keys the tier saw (scheduler thread only: no lock)
+        # keys the tier saw
         self._orders: OrderedDict[str, dict[int, OffloadKey]] = OrderedDict()
         self._order_keys = 0  # their keys
         # req_id -> the number of recorded positions its last recall read
         self._recalled: dict[str, int] = {}
         # req_id -> {key lookup() reported present: its chunk id}, bounded
-        # and dropped like _orders (scheduler thread only: no lock): such a
-        # key is on disk for a successor's store, and with keyed file names
-        # (which do not give the block hash back) an evicted chunk's keys
-        # whose cached lookup verdicts become misses
+        # and dropped like _orders: such a key is on disk for a successor's
+        # store, and with keyed file names (which do not give the block hash
+        # back) an evicted chunk's keys whose cached lookup verdicts become
+        # misses
         self._present: OrderedDict[str, dict[OffloadKey, bytes]] = OrderedDict()
         self._present_keys = 0  # their keys
         # keyed file names: chunk id -> {a present key of it: its requests}
         self._present_by_chunk: dict[bytes, dict[OffloadKey, int]] = {}
-        # evicted chunks whose files the I/O threads have not removed yet
+        # evicted chunks whose files are being removed, or were removed
+        # before the scheduler thread took their keys (see
+        # take_evicted_keys()); chunks evicted ahead whose files the budget
+        # thread has not started removing
         self._removing: set[bytes] = set()
+        self._unlinked: deque[list[bytes]] = deque()
+        self._to_unlink: deque[tuple[bytes, int]] = deque()
+        # the keys of evicted chunks, one list per eviction, for the
+        # scheduler thread's cached lookup() verdicts (take_evicted_keys())
+        self._evicted_keys: deque[list[OffloadKey]] = deque()
         # the start-up scan's chunks not inserted yet (chunk id -> state);
         # None once the scan is done
         self._recovering: dict[bytes, int] | None = None
@@ -267,13 +331,15 @@ class FsTierBudget:
         self._reported = (0, 0, 0)
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
 
-        # journal records and the start-up scan run on this thread
+        # the start-up scan, eviction ahead and its removals, and the
+        # journal's records run on this thread
         self._journal_path = os.path.join(rank_dir, JOURNAL_NAME)
         # (chunk, parent) links not written yet; the thread writes them at
         # most once per JOURNAL_INTERVAL_S (or at once past JOURNAL_BATCH)
         self._journal_q: deque[tuple[bytes, bytes]] = deque()
         self._journal_records = 0
         self._wake = threading.Condition(threading.Lock())
+        self._kicked = False
         self._stop = False
         self.scan_done = threading.Event()
         self.scan_stats: tuple[int, int, int, float] | None = None
@@ -282,11 +348,172 @@ class FsTierBudget:
         )
         self._thread.start()
 
-    # ---- scheduler thread -------------------------------------------------
+    # ---- scheduler thread: O(1) per call, never the lock ------------------
+
+    def on_hit(self, key: OffloadKey, req_context: ReqContext) -> None:
+        """lookup() found the key's file: pinned until the end of the step
+        (by then its promotion, if any, is pinned), and its request's next
+        chunk links to it. Posted before lookup() checks is_removing(): an
+        eviction marks its victims removing before it reads the hits not
+        drained yet, so a lookup() racing with it either keeps the chunk or
+        answers a miss."""
+        self._pending_hits.append(key)
+        self._events.append((_HIT, key, req_context))
+
+    def forget_request(self, req_id: str) -> None:
+        """The request finished: no store of it follows."""
+        self._events.append((_FORGET, req_id))
+
+    def admit_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> Admission:
+        """A store job's admission: decided, in order with the other events,
+        by its task (see admitted())."""
+        job = Admission(keys, req_context)
+        self._events.append((_ADMIT, job))
+        return job
+
+    def pin_load(self, keys: Collection[OffloadKey]) -> Admission:
+        """A load job's chunks, pinned until finish_job()."""
+        job = Admission(keys, None)
+        self._events.append((_LOAD, job))
+        return job
+
+    def finish_job(self, job: Admission, failed: Iterable[OffloadKey]) -> None:
+        """A store or load job finished: forget the files of its failed keys
+        (a failed store did not write its new files, a failed load removed
+        its file) and unpin its chunks."""
+        self._events.append((_FINISH, job, failed))
+
+    def end_step(self) -> None:
+        """on_schedule_end(): release lookup()'s pins of the step (its
+        promotions are pinned by now); wake the budget thread when events or
+        journal records pile up."""
+        events = self._events
+        events.append((_STEP,))
+        if len(events) > MAX_EVENTS or len(self._journal_q) > JOURNAL_BATCH:
+            self._kick()
+        if time.monotonic() >= self._next_report:
+            self._report()
+
+    def take_evicted_keys(self) -> list[list[OffloadKey]]:
+        """The keys of the chunks evicted since the last call, one list per
+        eviction: all of them, or for keyed file names (which do not give
+        their block hash back) those lookup() reported present to a request
+        not finished yet (whose cached verdicts are hits). An evicted chunk
+        is removing (a miss) until its files are gone and its keys were
+        taken here: its cached verdicts are misses before lookup() answers
+        from them. O(1) per eviction here; the caller's per key."""
+        unlinked = self._unlinked
+        queue = self._evicted_keys
+        if not (unlinked or queue):
+            return []
+        # removed before now: evicted, their keys queued, before now
+        gone = len(unlinked)
+        keys = [queue.popleft() for _ in range(len(queue))]
+        removing = self._removing
+        for _ in range(gone):
+            removing.difference_update(unlinked.popleft())
+        return keys
+
+    def is_removing(self, key: OffloadKey) -> bool:
+        """lookup(): the key's chunk was evicted and its files are being
+        removed, or its keys were not taken yet (a miss: its load would
+        fail)."""
+        return bool(self._removing) and self._cid(key[:-4]) in self._removing
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+        with self._lock:
+            self._drain()
+        self._report(force=True)
+
+    # ---- I/O threads --------------------------------------------------------
+
+    def admitted(
+        self, job: Admission
+    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted]:
+        """A store task's first step: its job's admission (the keys that do
+        not fit, the keys not worth writing, the evicted chunks whose files
+        the task removes before its writes, see _admit()). The thread that
+        gets the lock first applies the events posted before it (not those
+        after: their jobs' tasks do): a store never waits on the budget
+        thread, only on a bounded drain."""
+        result = job.result
+        if result is None:
+            with self._lock:
+                self._drain(job)
+            if self.used > self._high_water:
+                self._kick()  # evict ahead, off the write path
+            result = job.result
+            assert result is not None  # _drain(job) admits the job
+        return result
+
+    def remove_evicted(self, evicted: Evicted) -> None:
+        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
+        self._remove_files(self._paths(evicted))
+        self._removed(evicted)
+
+    def _removed(self, evicted: Evicted) -> None:
+        # no longer removing once the scheduler thread took their keys
+        self._unlinked.append([h for h, _ in evicted])
+
+    # ---- the events, in order (under self._lock) ---------------------------
+
+    def _drain(self, until: Admission | None = None) -> None:
+        """Apply the events posted so far, or up to until's admission."""
+        events = self._events
+        while events and (until is None or until.result is None):
+            event = events.popleft()
+            kind = event[0]
+            if kind == _HIT:
+                self._pending_hits.popleft()
+                self._hit(event[1], event[2])
+            elif kind == _ADMIT:
+                self._admit(event[1])
+            elif kind == _STEP:
+                for h in self._step_pins:
+                    self._unpin(h)
+                self._step_pins.clear()
+            elif kind == _FINISH:
+                self._finish(event[1], event[2])
+            elif kind == _FORGET:
+                self._forget(event[1])
+            else:
+                job = event[1]
+                job.ticket = (self._pin(job.keys), None)
+
+    def _hit(self, key: OffloadKey, req_context: ReqContext) -> None:
+        h = self._cid(key[:-4])
+        state = self._chunks.get(h)
+        if state is not None:
+            self._chunks[h] = state + PIN
+            self._step_pins.append(h)
+        elif h in self._removing:
+            return  # evicted since: lookup() answered a miss
+        self.note_keys((key,), req_context)
+        req_id = req_context.req_id
+        present = self._present.get(req_id)
+        if present is None:
+            present = self._present[req_id] = {}
+        else:
+            self._present.move_to_end(req_id)
+        if key in present:
+            return  # a cached verdict asked again
+        present[key] = h
+        self._present_keys += 1
+        if self._chunk_id is not None:
+            requests = self._present_by_chunk.setdefault(h, {})
+            requests[key] = requests.get(key, 0) + 1
+        while self._present_keys > MAX_TRACKED_KEYS and len(self._present) > 1:
+            self._drop_present(self._present.popitem(last=False)[1])
 
     def note_keys(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Keep the request's keys by group and end-token position, for
-        finding their successors' parents (scheduler thread, no lock)."""
+        finding their successors' parents."""
         orders = self._orders.get(req_context.req_id)
         if orders is None:
             orders = self._orders[req_context.req_id] = {}
@@ -313,6 +540,8 @@ class FsTierBudget:
         req_id = req_context.req_id
         if not recorded or len(recorded) < 2 * self._recalled.get(req_id, 0):
             return self._orders.get(req_id, {})
+        # a copy (one C call): the scheduler thread records more meanwhile
+        recorded = dict(recorded)
         self._recalled[req_id] = len(recorded)
         orders = self._orders.setdefault(req_id, {})
         n = len(orders)
@@ -322,8 +551,7 @@ class FsTierBudget:
         self._bound_orders()
         return self._orders.get(req_id, {})
 
-    def forget_request(self, req_id: str) -> None:
-        """The request finished: no store of it follows."""
+    def _forget(self, req_id: str) -> None:
         dropped = self._orders.pop(req_id, None)
         if dropped is not None:
             self._order_keys -= len(dropped)
@@ -331,28 +559,6 @@ class FsTierBudget:
         present = self._present.pop(req_id, None)
         if present is not None:
             self._drop_present(present)
-
-    def on_hit(self, key: OffloadKey, req_context: ReqContext) -> None:
-        """lookup() found the key's file: pinned before anything is evicted
-        until the end of the step, by which time its promotion (if any) is
-        pinned; and its request's next chunk links to it."""
-        self._hits.append(key)
-        self.note_keys((key,), req_context)
-        req_id = req_context.req_id
-        present = self._present.get(req_id)
-        if present is None:
-            present = self._present[req_id] = {}
-        else:
-            self._present.move_to_end(req_id)
-        if key in present:
-            return  # a cached verdict asked again
-        h = present[key] = self._cid(key[:-4])
-        self._present_keys += 1
-        if self._chunk_id is not None:
-            requests = self._present_by_chunk.setdefault(h, {})
-            requests[key] = requests.get(key, 0) + 1
-        while self._present_keys > MAX_TRACKED_KEYS and len(self._present) > 1:
-            self._drop_present(self._present.popitem(last=False)[1])
 
     def _drop_present(self, present: dict[OffloadKey, bytes]) -> None:
         self._present_keys -= len(present)
@@ -374,8 +580,8 @@ class FsTierBudget:
     def _on_disk(self, key: OffloadKey, req_id: str) -> bool:
         """Whether a key that is not indexed has a file: one lookup() found
         for the request (another engine's), or, until the start-up scan is
-        done, one of an earlier run not indexed yet. Once the scan is done
-        this is no filesystem call on the scheduler thread."""
+        done, one of an earlier run not indexed yet (a filesystem call, on
+        an I/O thread, only until the scan is done)."""
         present = self._present.get(req_id)
         if present is not None and key in present:
             return True
@@ -383,17 +589,17 @@ class FsTierBudget:
             return False  # neither stored nor found at start by this engine
         return os.path.exists(self._key_path(key))
 
-    def admit_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted, JobTicket]:
-        """Reserve room for a store job's new files, evicting first.
-
-        Returns the keys that do not fit (not to be written: the chunks
-        nearest the prompt's start are admitted first), the keys not worth
-        writing (the chunk before them in their prompt is not on disk, so
-        they could never hit from it), the evicted chunks (their files to be
-        removed before the job's writes, see remove_evicted()), and the
-        job's ticket for finish_job(): its pinned chunks and new files."""
+    def _admit(self, admission: Admission) -> None:
+        """Reserve room for a store job's new files, evicting first: sets
+        the job's result (the keys that do not fit, not to be written: the
+        chunks nearest the prompt's start are admitted first; the keys not
+        worth writing: the chunk before them in their prompt is not on
+        disk, so they could never hit from it; the evicted chunks, whose
+        files its task removes before its writes) and its ticket for
+        finish_job() (its pinned chunks and new files)."""
+        keys = admission.keys
+        req_context = admission.req_context
+        assert req_context is not None  # a store's
         gbits = self._group_bits
         # the job's chunks: chunk id -> group bitmask of its keys
         job: dict[bytes, int] = {}
@@ -414,103 +620,98 @@ class FsTierBudget:
                 if cid is None:
                     cid = ids[raw] = self._chunk_id(raw)
                 job[cid] = job.get(cid, 0) | bit
-        with self._lock:
-            chunks = self._chunks
-            pinned: list[bytes] = []
-            # chunk id -> group bitmask of the job's new files
-            new: dict[bytes, int] = {}
-            # evicted chunks whose files are not removed yet: not written
-            # now (the removal would delete the new files); a miss until
-            # stored again
-            removing: dict[bytes, int] = {}
-            for h, bits in job.items():
-                if h in self._removing:
-                    removing[h] = bits
-                    continue
-                state = chunks.get(h)
-                if state is None:
-                    new[h] = bits
-                    continue
-                chunks[h] = state + PIN
+        chunks = self._chunks
+        pinned: list[bytes] = []
+        # chunk id -> group bitmask of the job's new files
+        new: dict[bytes, int] = {}
+        # evicted chunks whose files are not removed yet: not written
+        # now (the removal would delete the new files); a miss until
+        # stored again
+        removing: dict[bytes, int] = {}
+        for h, bits in job.items():
+            if h in self._removing:
+                removing[h] = bits
+                continue
+            state = chunks.get(h)
+            if state is None:
+                new[h] = bits
+                continue
+            chunks[h] = state + PIN
+            pinned.append(h)
+            missing = bits & ~(state >> GROUPS)
+            if missing:
+                new[h] = missing
+        parents, positions, orphans = self._find_parents(new, ids, keys, req_context)
+        unreachable: dict[bytes, int] = {}
+        for h, bit, prev in orphans:
+            # not indexed here: on disk only if another engine stored it
+            if not self._on_disk(prev, req_context.req_id):
+                unreachable[h] = unreachable.get(h, 0) | bit
+        if unreachable:
+            # and so are the chunks after them in the job
+            gone = set(unreachable)
+            for h in sorted(new, key=_by_position(positions)):
+                parent = parents.get(h)
+                if parent in gone and parent not in chunks:
+                    unreachable[h] = new[h]
+                    gone.add(h)
+            for h, bits in unreachable.items():
+                rest = new[h] & ~bits
+                if rest:
+                    new[h] = rest
+                else:
+                    del new[h]
+            self.unreachable_files += sum(b.bit_count() for b in unreachable.values())
+        # indexed parents stay while their new children are written
+        for h in new:
+            parent = parents.get(h)
+            if parent is not None and parent not in new:
+                state = chunks.get(parent)
+                if state is not None:
+                    chunks[parent] = state + PIN
+                    pinned.append(parent)
+        file_size = self.file_size
+        nfiles = sum(b.bit_count() for b in new.values())
+        evicted = self._evict(nfiles * file_size)
+        room = max(0, (self.max_bytes - self.used - self.unlinking) // file_size)
+        rejected: dict[bytes, int] = {}
+        if nfiles > room:
+            # keep the chunks nearest the start of their prompt
+            for h in sorted(new, key=_by_position(positions)):
+                n = new[h].bit_count()
+                if n <= room:
+                    room -= n
+                else:
+                    room = -1
+                    rejected[h] = new.pop(h)
+                    nfiles -= n
+            self.rejected_files += sum(b.bit_count() for b in rejected.values())
+        created: list[bytes] = []
+        for h, bits in new.items():
+            state = chunks.get(h)
+            if state is None:
+                state = PIN
                 pinned.append(h)
-                missing = bits & ~(state >> GROUPS)
-                if missing:
-                    new[h] = missing
-            parents, positions, orphans = self._find_parents(
-                new, ids, keys, req_context
-            )
-            unreachable: dict[bytes, int] = {}
-            for h, bit, prev in orphans:
-                # not indexed here: on disk only if another engine stored it
-                if not self._on_disk(prev, req_context.req_id):
-                    unreachable[h] = unreachable.get(h, 0) | bit
-            if unreachable:
-                # and so are the chunks after them in the job
-                gone = set(unreachable)
-                for h in sorted(new, key=_by_position(positions)):
-                    parent = parents.get(h)
-                    if parent in gone and parent not in chunks:
-                        unreachable[h] = new[h]
-                        gone.add(h)
-                for h, bits in unreachable.items():
-                    rest = new[h] & ~bits
-                    if rest:
-                        new[h] = rest
-                    else:
-                        del new[h]
-                self.unreachable_files += sum(
-                    b.bit_count() for b in unreachable.values()
-                )
-            # indexed parents stay while their new children are written
+                created.append(h)
+            chunks[h] = state | bits << GROUPS
+        self.used += nfiles * file_size
+        # link the new chunks to their parents (indexed, or new here); a
+        # chunk first stored as a root by a group of larger chunks gets
+        # its parent with its finer group's file
+        if parents:
+            parent_of = self._parent
+            leaves = self._leaves
+            journal = self._journal_q
             for h in new:
                 parent = parents.get(h)
-                if parent is not None and parent not in new:
+                if parent is not None and parent != h and h not in parent_of:
                     state = chunks.get(parent)
                     if state is not None:
-                        chunks[parent] = state + PIN
-                        pinned.append(parent)
-            file_size = self.file_size
-            nfiles = sum(b.bit_count() for b in new.values())
-            evicted = self._evict(nfiles * file_size)
-            room = max(0, (self.max_bytes - self.used) // file_size)
-            rejected: dict[bytes, int] = {}
-            if nfiles > room:
-                # keep the chunks nearest the start of their prompt
-                for h in sorted(new, key=_by_position(positions)):
-                    n = new[h].bit_count()
-                    if n <= room:
-                        room -= n
-                    else:
-                        room = -1
-                        rejected[h] = new.pop(h)
-                        nfiles -= n
-                self.rejected_files += sum(b.bit_count() for b in rejected.values())
-            created: list[bytes] = []
-            for h, bits in new.items():
-                state = chunks.get(h)
-                if state is None:
-                    state = PIN
-                    pinned.append(h)
-                    created.append(h)
-                chunks[h] = state | bits << GROUPS
-            self.used += nfiles * file_size
-            # link the new chunks to their parents (indexed, or new here); a
-            # chunk first stored as a root by a group of larger chunks gets
-            # its parent with its finer group's file
-            if parents:
-                parent_of = self._parent
-                leaves = self._leaves
-                journal = self._journal_q
-                for h in new:
-                    parent = parents.get(h)
-                    if parent is not None and parent != h and h not in parent_of:
-                        state = chunks.get(parent)
-                        if state is not None:
-                            parent_of[h] = parent
-                            chunks[parent] = state + CHILD
-                            if not state & CHILDREN:
-                                leaves.pop(parent, None)
-                            journal.append((h, parent))
+                        parent_of[h] = parent
+                        chunks[parent] = state + CHILD
+                        if not state & CHILDREN:
+                            leaves.pop(parent, None)
+                        journal.append((h, parent))
         rejected_keys: set[OffloadKey] = set()
         unreachable_keys: set[OffloadKey] = set()
         unreachable.update(removing)
@@ -522,75 +723,38 @@ class FsTierBudget:
                     rejected_keys.add(k)
                 elif unreachable.get(h, 0) & bit:
                     unreachable_keys.add(k)
-        return rejected_keys, unreachable_keys, evicted, (pinned, new)
+        admission.ticket = (pinned, new)
+        admission.result = (rejected_keys, unreachable_keys, evicted)
 
-    def pin_load(self, keys: Collection[OffloadKey]) -> JobTicket:
-        """A load job's chunks, pinned until finish_job()."""
+    def _pin(self, keys: Collection[OffloadKey]) -> list[bytes]:
         pinned: list[bytes] = []
-        hashes = {self._cid(k[:-4]) for k in keys}
-        with self._lock:
-            chunks = self._chunks
-            for h in hashes:
-                state = chunks.get(h)
-                if state is not None:
-                    chunks[h] = state + PIN
-                    pinned.append(h)
-        return pinned, None
+        chunks = self._chunks
+        for h in {self._cid(k[:-4]) for k in keys}:
+            state = chunks.get(h)
+            if state is not None:
+                chunks[h] = state + PIN
+                pinned.append(h)
+        return pinned
 
-    def finish_job(self, ticket: JobTicket, failed: Iterable[OffloadKey]) -> None:
-        """A store or load job finished: forget the files of its failed keys
-        (a failed store did not write its new files, a failed load removed
-        its file) and unpin its chunks."""
-        pinned, new = ticket
-        with self._lock:
-            chunks = self._chunks
-            for k in failed:
-                h = self._cid(k[:-4])
-                bit = self._group_bit(k[-4:])
-                if new is not None and not new.get(h, 0) & bit:
-                    continue  # the file it failed to store over is still there
-                state = chunks.get(h)
-                if state is not None and state >> GROUPS & bit:
-                    chunks[h] = state - (bit << GROUPS)
-                    self.used -= self.file_size
-            for h in pinned:
-                self._unpin(h)
+    def _finish(self, job: Admission, failed: Iterable[OffloadKey]) -> None:
+        if job.ticket is None:
+            return  # never admitted (its task was dropped at shutdown)
+        pinned, new = job.ticket
+        chunks = self._chunks
+        for k in failed:
+            h = self._cid(k[:-4])
+            bit = self._group_bit(k[-4:])
+            if new is not None and not new.get(h, 0) & bit:
+                continue  # the file it failed to store over is still there
+            state = chunks.get(h)
+            if state is not None and state >> GROUPS & bit:
+                chunks[h] = state - (bit << GROUPS)
+                self.used -= self.file_size
+        for h in pinned:
+            self._unpin(h)
 
-    def end_step(self) -> None:
-        """on_schedule_end(): release lookup()'s pins (the step's
-        promotions are pinned by now); wake the journal."""
-        if self._step_pins or self._hits:
-            with self._lock:
-                # not pinned yet: nothing was evicted since their lookup
-                self._hits.clear()
-                for h in self._step_pins:
-                    self._unpin(h)
-                self._step_pins.clear()
-        if len(self._journal_q) > JOURNAL_BATCH:
-            with self._wake:
-                self._wake.notify()
-        if time.monotonic() >= self._next_report:
-            self._report()
-
-    def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        self._thread.join()
-        self._report(force=True)
-
-    # ---- I/O threads --------------------------------------------------------
-
-    def remove_evicted(self, evicted: Evicted) -> None:
-        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
-        self._remove_files(self._paths(evicted))
-        self._removed(evicted)
-
-    def evicted_keys(self, evicted: Evicted) -> list[OffloadKey]:
-        """The keys of evicted chunks: all of them, or for keyed file names
-        (which do not give their block hash back) those lookup() reported
-        present to a request not finished yet (whose cached verdicts are
-        hits)."""
+    def _keys_of(self, evicted: Evicted) -> list[OffloadKey]:
+        """The keys of evicted chunks (see take_evicted_keys())."""
         if self._chunk_id is not None:
             by_chunk = self._present_by_chunk
             return [
@@ -604,15 +768,6 @@ class FsTierBudget:
             for h, groups in evicted
             for g in _group_indices(groups)
         ]
-
-    def is_removing(self, key: OffloadKey) -> bool:
-        """lookup(): the key's chunk was evicted and its files are being
-        removed (a miss: its load would fail)."""
-        return bool(self._removing) and self._cid(key[:-4]) in self._removing
-
-    def _removed(self, evicted: Evicted) -> None:
-        with self._lock:
-            self._removing.difference_update(h for h, _ in evicted)
 
     # ---- internals (under self._lock) --------------------------------------
 
@@ -715,17 +870,6 @@ class FsTierBudget:
             else:  # its files failed: nothing left to keep
                 self._remove_chunk(h, state)
 
-    def _pin_hits(self) -> None:
-        """Pin the chunks of lookup()'s hits since the last pinning."""
-        hits = self._hits
-        chunks = self._chunks
-        while hits:
-            h = self._cid(hits.popleft()[:-4])
-            state = chunks.get(h)
-            if state is not None:
-                chunks[h] = state + PIN
-                self._step_pins.append(h)
-
     def _remove_chunk(self, h: bytes, state: int) -> None:
         chunks = self._chunks
         del chunks[h]
@@ -751,25 +895,82 @@ class FsTierBudget:
             self._leaves[parent] = None
             self._leaves.move_to_end(parent, last=False)
 
-    def _evict(self, need: int) -> Evicted:
-        """Evict leaves, least recent first, until need more bytes fit.
-        Returns the evicted chunks."""
-        self._pin_hits()
+    def _bytes(self, groups: int) -> int:
+        """The bytes of a chunk's files of the groups in a group bitmask."""
+        return groups.bit_count() * self.file_size
+
+    def _evict(self, need: int, low: int | None = None) -> Evicted:
+        """Evict until need more bytes fit in max_bytes, taking over first
+        the budget thread's removals not started yet; or, with low (the
+        budget thread evicting ahead), down to low bytes and never below.
+        Leaves go least recent first, each marked removing before the hits
+        not drained yet are read: a victim lookup() just found is kept (see
+        on_hit()). Returns the evicted chunks; the caller removes their
+        files. Their keys go to take_evicted_keys()."""
         evicted: Evicted = []
+        size_of = self._bytes
+        if low is None:
+            queue = self._to_unlink
+            while self.used + self.unlinking + need > self.max_bytes:
+                try:  # the budget thread takes from the other end
+                    h, groups = queue.pop()
+                except IndexError:
+                    break
+                self.unlinking -= size_of(groups)
+                evicted.append((h, groups))
+            low = self.max_bytes - need
+            floor = False
+            extra = self.unlinking
+        else:
+            # ahead: the files being removed are as good as gone
+            floor = True
+            extra = 0
+        taken_over = len(evicted)
         leaves = self._leaves
         chunks = self._chunks
+        removing = self._removing
+        hit: set[bytes] = set()
+        checked = 0  # pending hits already in `hit`
         files = 0
-        while self.used + need > self.max_bytes and leaves:
-            h, _ = leaves.popitem(last=False)
-            state = chunks.get(h)
-            if state is None or state & (PINS | CHILDREN):
-                continue  # pinned: listed again when unpinned
-            groups = state >> GROUPS
-            evicted.append((h, groups))
-            self._removing.add(h)
-            files += groups.bit_count()
-            self._remove_chunk(h, state)
-        self.evicted_files += files
+        while leaves and self.used + extra > low:
+            excess = self.used + extra - low
+            victims: list[bytes] = []
+            while excess > 0 and leaves:
+                h, _ = leaves.popitem(last=False)
+                state = chunks.get(h)
+                if state is None or state & (PINS | CHILDREN):
+                    continue  # pinned: listed again when unpinned
+                size = size_of(state >> GROUPS)
+                if floor and size > excess:
+                    leaves[h] = None
+                    leaves.move_to_end(h, last=False)
+                    break
+                removing.add(h)
+                victims.append(h)
+                excess -= size
+            if not victims:
+                break
+            pending = list(self._pending_hits)
+            for k in pending[checked:]:
+                hit.add(self._cid(k[:-4]))
+            checked = len(pending)
+            for h in victims:
+                state = chunks[h]
+                if h in hit:  # found by a lookup() meanwhile: kept
+                    removing.discard(h)
+                    leaves[h] = None
+                    continue
+                groups = state >> GROUPS
+                evicted.append((h, groups))
+                files += groups.bit_count()
+                self._remove_chunk(h, state)
+            if hit.issuperset(victims):
+                break
+        if files:
+            self.evicted_files += files
+            keys = self._keys_of(evicted[taken_over:])
+            if keys:
+                self._evicted_keys.append(keys)
         return evicted
 
     def _paths(self, evicted: Evicted) -> list[str]:
@@ -782,16 +983,16 @@ class FsTierBudget:
 
     def _report(self, force: bool = False) -> None:
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
-        now = (self.used, self.evicted_files, self.rejected_files)
+        now = (self.used + self.unlinking, self.evicted_files, self.rejected_files)
         if now == self._reported and not force:
             return
         logger.info(
             "%s: %d of max_bytes=%d bytes used (%d files), %d files evicted "
             "and %d rejected since the previous report (%d and %d since start)",
             self._label,
-            self.used,
+            now[0],
             self.max_bytes,
-            self.used // self.file_size,
+            now[0] // self.file_size,
             self.evicted_files - self._reported[1],
             self.rejected_files - self._reported[2],
             self.evicted_files,
@@ -799,7 +1000,12 @@ class FsTierBudget:
         )
         self._reported = now
 
-    # ---- budget thread: the start-up scan and the journal -----------------
+    # ---- budget thread: the start-up scan, eviction ahead, the journal ---
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._kicked = True
+            self._wake.notify()
 
     def _run(self) -> None:
         try:
@@ -810,11 +1016,37 @@ class FsTierBudget:
             self.scan_done.set()
         while True:
             with self._wake:
-                self._wake.wait(JOURNAL_INTERVAL_S)
+                if not (self._kicked or self._stop):
+                    self._wake.wait(JOURNAL_INTERVAL_S)
+                self._kicked = False
                 stop = self._stop
+            with self._lock:
+                self._drain()
+                if self.used > self._high_water:
+                    for h, groups in self._evict(0, self._low_water):
+                        self._to_unlink.append((h, groups))
+                        self.unlinking += self._bytes(groups)
+            self._unlink_ahead()
             self._write_journal()
             if stop:
                 return
+
+    def _unlink_ahead(self) -> None:
+        """Remove the files of the chunks evicted ahead, one chunk at a time
+        (a store that needs the room first takes over the rest)."""
+        queue = self._to_unlink
+        removed: Evicted = []
+        while not self._stop:
+            try:
+                evicted = [queue.popleft()]
+            except IndexError:
+                break
+            self._remove_files(self._paths(evicted))
+            with self._lock:
+                self.unlinking -= self._bytes(evicted[0][1])
+            removed += evicted
+        if removed:  # one hand-off to the scheduler thread
+            self._removed(removed)
 
     def _write_journal(self) -> None:
         q = self._journal_q
@@ -922,6 +1154,7 @@ class FsTierBudget:
                 if self._stop:
                     return
                 with self._lock:
+                    self._drain()
                     for h in order[i : i + SCAN_BATCH]:
                         self._insert_recovered(h, found.pop(h), links.get(h))
                     evicted = self._evict(0)

@@ -96,9 +96,8 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 from vllm.v1.kv_offload.tiering.fs.budget import (
-    Evicted,
+    Admission,
     FsTierBudget,
-    JobTicket,
     validate_max_bytes,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
@@ -401,8 +400,10 @@ class FileSystemTierManager(SecondaryTierManager):
         self._tmp_cleanup.start()
 
         # what each job holds of the budget (see FsTierBudget.finish_job()),
-        # and the keys a failed store job left without a file
-        self._budget_tickets: dict[JobId, JobTicket] = {}
+        # the keys a store job's task wrote (those its admission kept), and
+        # the keys a failed store job left without a file
+        self._budget_tickets: dict[JobId, Admission] = {}
+        self._budget_written: dict[JobId, list[OffloadKey]] = {}
         self._budget_failed: dict[JobId, list[OffloadKey]] = {}
         # per failed load job: the indices of its failed keys whose file is
         # gone or unloadable (a file a load failed to read, e.g. EMFILE or
@@ -605,43 +606,35 @@ class FileSystemTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._unloadable:
             return LookupResult.MISS
-        if self._budget is not None and self._budget.is_removing(key):
+        budget = self._budget
+        if budget is not None and budget.is_removing(key):
             return LookupResult.MISS  # evicted: its file is about to be removed
         result = self._lookup_manager.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
-        if result and self._budget is not None:
-            # kept until the promotion the tiering manager submits for it
-            self._budget.on_hit(key, req_context)
+        if result and budget is not None:
+            # kept until the promotion the tiering manager submits for it;
+            # posted first: an eviction racing with this lookup either sees
+            # the hit or has marked the chunk removing (a miss)
+            budget.on_hit(key, req_context)
+            if budget.is_removing(key):
+                return LookupResult.MISS
         return LookupResult.HIT if result else LookupResult.MISS
 
-    def _admit_store(
-        self, job_metadata: TransferJob
-    ) -> tuple[list[OffloadKey], Iterable[int], Evicted, int]:
-        """Reserve the job's bytes in the budget (evicting first). Returns
-        the keys to write and their chunk ids, the evicted chunks (their
-        files removed before the write) and the number of keys that did not
-        fit."""
+    def _store_within_budget(
+        self,
+        job_id: JobId,
+        admission: Admission,
+        keys: list[OffloadKey],
+        paths: list[str],
+        offsets: list[int],
+    ) -> None:
+        """A budgeted store task (on an I/O thread): its job's admission
+        (reserving its bytes, evicting first; see FsTierBudget.admitted()),
+        the evicted chunks' files removed, the admitted blocks written, then
+        the job failed if some did not fit (the failure report counts it)."""
         assert self._budget is not None
-        keys = list(job_metadata.keys)
-        rejected, unreachable, evicted, ticket = self._budget.admit_store(
-            keys, job_metadata.req_context
-        )
-        self._budget_tickets[job_metadata.job_id] = ticket
-        if evicted:
-            evicted_keys = self._budget.evicted_keys(evicted)
-            # cached lookup verdicts of the evicted chunks' keys: misses now
-            self._lookup_manager.mark_miss(evicted_keys)
-            if self.events is not None and evicted_keys:
-                self.events.append(
-                    OffloadingEvent(
-                        keys=evicted_keys,
-                        medium=self.medium,
-                        removed=True,
-                        locality=self.locality,
-                    )
-                )
-        chunk_ids: Iterable[int] = job_metadata.chunk_ids
+        rejected, unreachable, evicted = self._budget.admitted(admission)
         if rejected or unreachable:
             kept = [
                 i
@@ -649,27 +642,26 @@ class FileSystemTierManager(SecondaryTierManager):
                 if key not in rejected and key not in unreachable
             ]
             keys = [keys[i] for i in kept]
-            chunk_ids = [int(job_metadata.chunk_ids[i]) for i in kept]
-        return keys, chunk_ids, evicted, len(rejected)
-
-    def _store_within_budget(
-        self,
-        job_id: JobId,
-        evicted: Evicted,
-        keys: list[OffloadKey],
-        paths: list[str],
-        rejected: int,
-        store: Callable[[], None],
-    ) -> None:
-        """A budgeted store task (on an I/O thread): remove the evicted
-        chunks' files, write the admitted blocks, then fail the job if some
-        did not fit (the failure report counts it)."""
-        assert self._budget is not None
+            paths = [paths[i] for i in kept]
+            offsets = [offsets[i] for i in kept]
+        # what the job writes, read by get_finished_jobs() after the
+        # finished queue hands this job back (same hand-off as
+        # _load_failures)
+        self._budget_written[job_id] = keys
         if evicted:
             self._budget.remove_evicted(evicted)
         try:
             if paths:
-                store()
+                batch_store_block(
+                    paths,
+                    self._primary_kv_view,
+                    offsets,
+                    self._block_size,
+                    self._use_o_direct,
+                    self._modes,
+                    self._mac,
+                    keys,
+                )
         except OSError:
             # the budget forgets the files that are not there
             self._budget_failed[job_id] = [
@@ -679,54 +671,67 @@ class FileSystemTierManager(SecondaryTierManager):
         if rejected:
             raise OSError(
                 errno.ENOSPC,
-                f"{rejected} block(s) not stored: no room in "
+                f"{len(rejected)} block(s) not stored: no room in "
                 f"max_bytes={self._max_bytes}, every indexed block file is in "
                 "use by a transfer",
             )
 
+    def _publish_evicted(self) -> None:
+        """Evicted chunks' keys (scheduler thread): their cached lookup
+        verdicts are misses now, and KV events report them removed."""
+        assert self._budget is not None
+        for evicted_keys in self._budget.take_evicted_keys():
+            self._lookup_manager.mark_miss(evicted_keys)
+            if self.events is not None:
+                self.events.append(
+                    OffloadingEvent(
+                        keys=evicted_keys,
+                        medium=self.medium,
+                        removed=True,
+                        locality=self.locality,
+                    )
+                )
+
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        chunk_ids: Iterable[int] = job_metadata.chunk_ids
-        evicted: Evicted = []
-        rejected = 0
-        if self._budget is not None:
-            keys, chunk_ids, evicted, rejected = self._admit_store(job_metadata)
         if self.events is not None:
-            self._store_job_keys[job_metadata.job_id] = keys
+            self._store_job_keys[job_id] = keys
         if self._unloadable:
             unloadable = [key for key in keys if key in self._unloadable]
             if unloadable:
-                self._store_job_unloadable[job_metadata.job_id] = unloadable
+                self._store_job_unloadable[job_id] = unloadable
         paths = [self.file_mapper.get_file_name(key) for key in keys]
-        task = functools.partial(
-            batch_store_block,
-            paths,
-            self._primary_kv_view,
-            [int(cid) * self._block_size for cid in chunk_ids],
-            self._block_size,
-            self._use_o_direct,
-            self._modes,
-            self._mac,
-            keys,
-        )
+        offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
+        task: Callable[[], None]
         if self._budget is not None:
+            # the job's admission is decided by its task, in order with the
+            # scheduler's other budget events (off this thread)
+            admission = self._budget.admit_store(keys, job_metadata.req_context)
+            self._budget_tickets[job_id] = admission
             task = functools.partial(
-                self._store_within_budget,
-                job_metadata.job_id,
-                evicted,
-                keys,
-                paths,
-                rejected,
-                task,
+                self._store_within_budget, job_id, admission, keys, paths, offsets
             )
-        self._job_block_counts[job_metadata.job_id] = len(keys)
+        else:
+            task = functools.partial(
+                batch_store_block,
+                paths,
+                self._primary_kv_view,
+                offsets,
+                self._block_size,
+                self._use_o_direct,
+                self._modes,
+                self._mac,
+                keys,
+            )
+        self._job_block_counts[job_id] = len(keys)
         store = functools.partial(self._store_and_keep_config, task)
         if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
             # This job's I/O thread probes O_DIRECT again after its store.
             self._reprobe_at = None
             store = functools.partial(self._store_and_reprobe_o_direct, store)
-        self._pool.enqueue_store(job_metadata.job_id, 1, [store])
+        self._pool.enqueue_store(job_id, 1, [store])
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -798,6 +803,9 @@ class FileSystemTierManager(SecondaryTierManager):
         """Collect finished jobs; a failed promotion marks only its failed keys
         as a miss here (scheduler thread)."""
         results = []
+        if self._budget is not None:
+            # before the stores that evicted them are reported
+            self._publish_evicted()
         for job_id, success, transfer_time in self._pool.get_finished():
             if self._budget is not None:
                 self._finish_budget_job(job_id, success)
@@ -861,6 +869,18 @@ class FileSystemTierManager(SecondaryTierManager):
         missing or unloadable (a failed load removed a bad file; a file it
         failed to read is still there and still counted)."""
         assert self._budget is not None
+        written = self._budget_written.pop(job_id, None)
+        if written is not None and len(written) < self._job_block_counts[job_id]:
+            # its admission dropped keys: report and count only those written
+            self._job_block_counts[job_id] = len(written)
+            if job_id in self._store_job_keys:
+                self._store_job_keys[job_id] = written
+            unloadable = self._store_job_unloadable.get(job_id)
+            if unloadable:
+                kept = set(written)
+                self._store_job_unloadable[job_id] = [
+                    k for k in unloadable if k in kept
+                ]
         failed: list[OffloadKey] = self._budget_failed.pop(job_id, [])
         gone = self._budget_load_gone.pop(job_id, ())
         load_keys = self._load_job_keys.get(job_id)
@@ -890,6 +910,7 @@ class FileSystemTierManager(SecondaryTierManager):
         if self._budget is not None:
             # after the step's promotions were submitted (and pinned)
             self._budget.end_step()
+            self._publish_evicted()
 
     @classmethod
     @override
@@ -927,7 +948,7 @@ class FileSystemTierManager(SecondaryTierManager):
             return None
         stats = OffloadingConnectorStats()
         label = (self.tier_type,)
-        stats.set_gauge(BUDGET_USED_BYTES, budget.used, label)
+        stats.set_gauge(BUDGET_USED_BYTES, budget.used + budget.unlinking, label)
         stats.set_gauge(BUDGET_MAX_BYTES, budget.max_bytes, label)
         evicted, rejected = budget.evicted_files, budget.rejected_files
         stats.increase_counter(
