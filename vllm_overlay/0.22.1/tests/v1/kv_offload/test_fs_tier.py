@@ -8,6 +8,8 @@ The tier manager writes KV cache blocks to disk and reads them back, verifying
 data integrity throughout the process.
 """
 
+import errno
+import json
 import os
 import threading
 import time
@@ -467,6 +469,22 @@ def _aligned_rows(n_rows: int) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8).reshape(n_rows, mmap.PAGESIZE)
 
 
+def _refuse_user_xattrs(monkeypatch) -> None:
+    """As on a root whose filesystem has no user extended attributes (an
+    old tmpfs, some NFS mounts): every xattr call fails as there."""
+
+    def unsupported(*args, **kwargs):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "setxattr", unsupported)
+    monkeypatch.setattr(os, "getxattr", unsupported)
+
+
+@pytest.fixture
+def no_user_xattrs(monkeypatch):
+    _refuse_user_xattrs(monkeypatch)
+
+
 def _finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
     """The results of the next n_jobs jobs to finish (no idle-time guess)."""
     results: list = []
@@ -604,18 +622,30 @@ def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
     ],
 )
 @pytest.mark.parametrize(
-    "damage", ["random bytes", "one flipped bit", "zeroed half", "another key's block"]
+    "damage",
+    [
+        "random bytes",
+        "one flipped bit",
+        "zeroed half",
+        "another key's block",
+        "another writer's file",
+    ],
 )
+@pytest.mark.parametrize("where", ["xattr", "trailer"])
 def test_load_fails_for_a_block_file_overwritten_in_place(
-    tmp_path, damage, checksum, caplog
+    tmp_path, damage, checksum, where, caplog, request
 ):
     """With a checksum, a block file overwritten with as many bytes as it had
-    (random bytes, a flipped bit, a zeroed half, another key's block file) is
-    not served as the key's block: its load fails (the key becomes a miss,
-    the file is removed) with one report naming the path, and the job's
-    other keys load."""
+    (random bytes, a flipped bit, a zeroed half, another key's block file,
+    or another writer's file of that size renamed over it) is not served as
+    the key's block: its load fails (the key becomes a miss, the file is
+    removed) with one report naming the path, and the job's other keys
+    load. The same whether the checksum is in the file's extended attribute
+    or, on a root without user xattrs, in a trailer."""
     if checksum == "xxh3_64":
         pytest.importorskip("xxhash")
+    if where == "trailer":
+        request.getfixturevalue("no_user_xattrs")
     rows = _aligned_rows(6)
     n = rows.shape[1]
     tier = _make_tier(str(tmp_path), rows, checksum=checksum)
@@ -633,11 +663,16 @@ def test_load_fails_for_a_block_file_overwritten_in_place(
             data[n // 3] ^= 0x10
         elif damage == "zeroed half":
             data[n // 2 : n] = bytes(n - n // 2)
-        else:
+        elif damage == "another key's block":
             with open(tier.file_mapper.get_file_name(key(2)), "rb") as f:
                 data[:] = f.read()
-        with open(path, "r+b") as f:
-            assert f.write(data) == os.path.getsize(path)
+        if damage == "another writer's file":
+            with open(path + ".other", "wb") as f:
+                f.write(rng.bytes(len(data)))
+            os.replace(path + ".other", path)
+        else:
+            with open(path, "r+b") as f:
+                assert f.write(data) == os.path.getsize(path)
 
         with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
             tier.submit_load(make_job(2, [key(1), key(3)], [3, 4], is_promotion=True))
@@ -649,6 +684,93 @@ def test_load_fails_for_a_block_file_overwritten_in_place(
         assert tier.lookup(key(1), _CTX) is False
         lines = [r.getMessage() for r in caplog.records if path in r.getMessage()]
         assert len(lines) == 1 and "checksum mismatch" in lines[0]
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("block_bytes", [4096, 1280], ids=["aligned", "odd"])
+def test_checksum_in_an_xattr_else_in_a_trailer(tmp_path, caplog, block_bytes, request):
+    """The checksum is kept in the block file's extended attribute
+    user.vllm.kv_checksum, so that the file holds exactly the block; on a
+    root without user xattrs (probed once at start, said once in the log)
+    it is written in a trailer after the block instead: a page for
+    page-aligned blocks (O_DIRECT), else its 8 bytes. Either round-trips."""
+    rows = np.zeros((4, block_bytes), dtype=np.uint8)
+    rows[0] = np.arange(block_bytes) % 251
+    for where in ("xattr", "trailer"):
+        if where == "trailer":
+            request.getfixturevalue("no_user_xattrs")
+        root = str(tmp_path / where)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier = _make_tier(root, rows, checksum="crc32")
+        try:
+            tier.submit_store(make_job(1, [key(1)], [0]))
+            assert [r.success for r in _finish(tier)] == [True]
+            path = tier.file_mapper.get_file_name(key(1))
+            trailers = [r.getMessage() for r in caplog.records if "trailer" in r.msg]
+            if where == "xattr":
+                assert os.path.getsize(path) == block_bytes
+                assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
+                assert trailers == []
+            else:
+                trailer = 4096 if block_bytes == 4096 else 8
+                assert os.path.getsize(path) == block_bytes + trailer
+                (line,) = trailers
+                assert line == (
+                    f"fs_python tier at {root}: keeping each block's checksum "
+                    "in a trailer after the block because user extended "
+                    "attributes are not supported here ([Errno 95] Operation "
+                    "not supported)"
+                )
+            tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+            assert [r.success for r in _finish(tier)] == [True]
+            np.testing.assert_array_equal(rows[1], rows[0])
+            rows[1] = 0
+        finally:
+            tier.shutdown()
+
+
+def test_xattr_and_trailer_files_never_mix(tmp_path, monkeypatch):
+    """Where the checksum is kept is part of the file layout (config.json):
+    blocks stored with it in an xattr are not looked up by a tier on the
+    same root without user xattrs (it would read them as blocks with a
+    trailer), nor the other way round; each finds its own again."""
+    rows = _aligned_rows(4)
+    rows[0] = 5
+    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
+    tier.submit_store(make_job(1, [key(1)], [0]))
+    assert [r.success for r in _finish(tier)] == [True]
+    tier.shutdown()
+    xattr_base = tier.file_mapper.base_path
+    with open(tier.file_mapper.get_config_file_path()) as f:
+        assert json.load(f)["checksum"] == {
+            "algorithm": "crc32",
+            "xattr": "user.vllm.kv_checksum",
+        }
+
+    with monkeypatch.context() as mp:
+        _refuse_user_xattrs(mp)
+        tier = _make_tier(str(tmp_path), rows, checksum="crc32")
+        try:
+            assert tier.file_mapper.base_path != xattr_base
+            with open(tier.file_mapper.get_config_file_path()) as f:
+                assert json.load(f)["checksum"] == {
+                    "algorithm": "crc32",
+                    "trailer_bytes": 4096,
+                }
+            assert tier.lookup(key(1), _CTX) is False
+            rows[1] = 6
+            tier.submit_store(make_job(2, [key(2)], [1]))
+            assert [r.success for r in _finish(tier)] == [True]
+        finally:
+            tier.shutdown()
+
+    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
+    try:
+        assert tier.file_mapper.base_path == xattr_base
+        assert tier.lookup(key(1), _CTX) is True
+        assert tier.lookup(key(2), _CTX) is False
     finally:
         tier.shutdown()
 

@@ -437,9 +437,9 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
     Without a key (documents today's behaviour) the tier serves it as that
     prefix's KV. With a key, the planted file at the computable name is
     never looked at; and one planted at the keyed name (right size, and a
-    valid unkeyed xxh3_64 checksum trailer, as a tier with 'checksum' writes
-    it) fails the MAC on load: a miss, the file removed, and counted in the
-    tier's failure report."""
+    valid unkeyed xxh3_64 checksum where the MAC is kept, as a tier with
+    'checksum' writes it) fails the MAC on load: a miss, the file removed,
+    and counted in the tier's failure report."""
     from vllm.v1.kv_offload.file_mapper import FileMapper
 
     config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
@@ -465,13 +465,16 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
             assert tier.file_mapper.get_file_name(prefix) != unkeyed
             assert tier.lookup(prefix, _CTX) is False
             # an insider who knows the keyed name still cannot forge the MAC
-            checksum = BlockChecksum("xxh3_64", kv.shape[1])
-            forged = bytearray(checksum.trailer_size)
+            mac = tier._checksum
+            checksum = BlockChecksum("xxh3_64", kv.shape[1], mac.xattr)
+            forged = bytearray(max(mac.digest_size, mac.trailer_size))
             forged[:8] = checksum.compute(bytes(prefix), memoryview(evil))
             planted = tier.file_mapper.get_file_name(prefix)
             os.makedirs(os.path.dirname(planted), exist_ok=True)
             with open(planted, "wb") as f:
-                f.write(evil + bytes(forged))
+                f.write(evil + bytes(forged[: mac.trailer_size]))
+            if mac.xattr is not None:
+                os.setxattr(planted, mac.xattr, forged[: mac.digest_size])
         else:
             planted = unkeyed
         assert tier.lookup(prefix, _CTX) is True

@@ -241,7 +241,9 @@ def test_files_hold_only_their_groups_bytes(
     checksum,
 ):
     """Through the real connector scheduler: every block file is its
-    group's useful bytes, page-aligned (plus the checksum's trailer page),
+    group's useful bytes, page-aligned (the checksum is in the file's
+    extended attribute, or where the root has no user xattrs in a trailer
+    page after them),
     the layout (config.json) names each group's file size, and the budget
     counts exactly the bytes on disk."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
@@ -256,18 +258,20 @@ def test_files_hold_only_their_groups_bytes(
     sizes = _expected_file_sizes(spec)
     # the layout has a group that uses part of a row
     assert min(sizes) < spec.cpu_page_size_per_worker
-    trailer = PAGE if checksum != "none" else 0
-
-    files = _block_files(root_dir)
-    assert len(files) == num_keys
-    for path, size in files.items():
-        group = int(os.path.basename(os.path.dirname(path)).rsplit("_g", 1)[1])
-        assert size == sizes[group] + trailer, path
 
     # a restart indexes the files: the bytes it counts are the bytes on disk
     sched = OffloadingConnectorScheduler(TieringOffloadingSpec(*configs))
     try:
         (fs_tier,) = sched.manager.secondary_tiers
+        in_xattr = checksum != "none" and fs_tier._checksum.xattr is not None
+        trailer = PAGE if checksum != "none" and not in_xattr else 0
+        files = _block_files(root_dir)
+        assert len(files) == num_keys
+        for path, size in files.items():
+            group = int(os.path.basename(os.path.dirname(path)).rsplit("_g", 1)[1])
+            assert size == sizes[group] + trailer, path
+            if in_xattr:
+                assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
         groups = fs_tier.file_mapper.get_run_config()["kv_cache_groups"]
         assert [g["file_bytes"] for g in groups] == sizes
         assert fs_tier._budget.scan_done.wait(20)

@@ -59,11 +59,13 @@ def _check_opened_at(fd: int, path: str) -> None:
 _thread_local = threading.local()
 
 # The fs tier's temp files, see _get_tmp_suffix(): a block's
-# (<hash_hex>.bin_<n>.tmp), the O_DIRECT probe's (.direct_io_probe_<n>.tmp),
-# config.json's (config.json_<n>.tmp) and the budget journal's compaction
+# (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
+# (.direct_io_probe_<n>.tmp, .xattr_probe_<n>.tmp), config.json's
+# (config.json_<n>.tmp) and the budget journal's compaction
 # (budget.journal_<n>.tmp).
 _TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.direct_io_probe|^config\.json|^budget\.journal)_[0-9]+\.tmp$"
+    r"(?:\.bin|\.direct_io_probe|\.xattr_probe|^config\.json|^budget\.journal)"
+    r"_[0-9]+\.tmp$"
 )
 
 
@@ -220,38 +222,87 @@ def scan_tier_files(
     return scan
 
 
-# xxh3_64 is the fastest (about 4x zlib's crc32 on 64 KiB blocks). Off by
-# default: on 64 KiB blocks it cost far more than 5% of the tier's store and
-# load throughput (bench/disk_bench.py).
-CHECKSUMS = ("none", "xxh3_64", "crc32")
+# "auto" is xxh3_64 where the xxhash package imports, else crc32: xxh3_64
+# takes about 1 us per 64 KiB block on one core, zlib's crc32 about 15
+# times as long. Resolved at start (resolve_checksum()); the file layout
+# records the algorithm used.
+CHECKSUMS = ("auto", "none", "xxh3_64", "crc32")
+
+
+def resolve_checksum(name: str) -> str:
+    """The algorithm the checksum setting *name* stands for."""
+    if name == "auto":
+        return "xxh3_64" if xxhash is not None else "crc32"
+    return name
+
+
+# The extended attributes that hold a block's checksum or MAC, set on the
+# block file before it is published (upstream #57912 keeps its CRC32C in
+# user.vllm.kv_crc32c the same way; the 0.33.0 track's MAC is in
+# user.vllm.kv_mac): the file holds exactly the block.
+CHECKSUM_XATTR = "user.vllm.kv_checksum"
+MAC_XATTR = "user.vllm.kv_mac"
+
+
+def probe_user_xattrs(directory: str, modes: FileModes = PRIVATE_MODES) -> str | None:
+    """Why a block's checksum cannot be kept in a user extended attribute
+    of a file in *directory* (a filesystem without user xattrs: an old
+    tmpfs, some NFS mounts), or None where it can. Any other error (the
+    directory cannot be written) is raised: it says nothing about xattrs,
+    and the answer decides the file format."""
+    if not hasattr(os, "setxattr"):
+        return "extended attributes are not available on this platform"
+    probe_path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
+    fd = os.open(probe_path, os.O_CREAT | os.O_WRONLY | O_NOFOLLOW, modes.file)
+    try:
+        os.setxattr(fd, CHECKSUM_XATTR, bytes(8))
+        if os.getxattr(fd, CHECKSUM_XATTR) != bytes(8):
+            return "a user extended attribute does not read back as written"
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return f"user extended attributes are not supported here ({e})"
+        raise
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(probe_path)
+    return None
 
 
 class BlockChecksum:
-    """A checksum of each block's key and bytes, stored in a trailer after
-    the block in its file and verified by every load: a file overwritten
-    with bytes of the same size (another key's block, a flipped bit, zeroed
-    pages) fails its load instead of being served as the key's block.
+    """A checksum of each block's key and bytes, stored with the block and
+    verified by every load: a file overwritten with bytes of the same size
+    (another key's block, a flipped bit, zeroed pages) fails its load
+    instead of being served as the key's block.
 
-    The trailer is a page for page-aligned blocks, so that O_DIRECT can
-    write and read it with the block, else the 8 bytes of the checksum.
+    Stored in the extended attribute *xattr* of the block's file, so that
+    the file holds exactly the block; where the filesystem has no user
+    xattrs (xattr None, see probe_user_xattrs()), in a trailer after the
+    block: a page for page-aligned blocks, so that O_DIRECT can write and
+    read it with the block, else the 8 bytes of the checksum. Where it is
+    stored is part of the file format (describe()): files of one are never
+    read as the other.
     """
 
     # bytes of the trailer the checksum's value takes
     digest_size = 8
 
-    def __init__(self, algorithm: str, block_size: int) -> None:
+    def __init__(
+        self, algorithm: str, block_size: int, xattr: str | None = None
+    ) -> None:
         if algorithm == "xxh3_64" and xxhash is None:
             raise ValueError(
                 "the fs_python tier's checksum 'xxh3_64' needs the xxhash "
                 "package: install it (pip install xxhash) or set the tier's "
-                "'checksum' to 'crc32' or 'none'"
+                "'checksum' to 'auto', 'crc32' or 'none'"
             )
         self.algorithm = algorithm
-        self.trailer_size = mmap.PAGESIZE if block_size % mmap.PAGESIZE == 0 else 8
+        self.xattr = xattr
+        self.trailer_size = _trailer_size(block_size, self.digest_size, xattr)
 
     def describe(self) -> dict:
         """The fields that determine the file format, for FileMapper."""
-        return {"algorithm": self.algorithm, "trailer_bytes": self.trailer_size}
+        return _describe(self.algorithm, self.trailer_size, self.xattr)
 
     def compute(self, key: bytes, data: memoryview) -> bytes:
         if self.algorithm == "xxh3_64":
@@ -259,6 +310,18 @@ class BlockChecksum:
         else:
             value = zlib.crc32(data, zlib.crc32(key))
         return value.to_bytes(8, "little")
+
+    def stored(self, fd: int, chunks: list[memoryview]) -> bytes:
+        """The value stored with the block read from *fd* into *chunks*
+        (b"" where its extended attribute is missing)."""
+        if self.xattr is None:
+            return bytes(chunks[1][: self.digest_size])
+        try:
+            return os.getxattr(fd, self.xattr)
+        except OSError as e:
+            if e.errno == errno.ENODATA:
+                return b""
+            raise
 
     def trailer(self) -> memoryview:
         """This thread's page-aligned trailer buffer (O_DIRECT needs it)."""
@@ -271,14 +334,27 @@ class BlockChecksum:
         return f"{self.algorithm} checksum mismatch"
 
 
+def _trailer_size(block_size: int, digest_size: int, xattr: str | None) -> int:
+    if xattr is not None:
+        return 0
+    return mmap.PAGESIZE if block_size % mmap.PAGESIZE == 0 else digest_size
+
+
+def _describe(algorithm: str, trailer_size: int, xattr: str | None) -> dict:
+    if xattr is not None:
+        return {"algorithm": algorithm, "xattr": xattr}
+    return {"algorithm": algorithm, "trailer_bytes": trailer_size}
+
+
 class BlockIntegrityError(OSError):
     """A block file whose checksum or MAC does not match: damaged, planted
     or another key's. Counted apart in the tier's failure report."""
 
 
 class BlockMac(BlockChecksum):
-    """A keyed MAC (HMAC-SHA256) of each block's identity and bytes, in the
-    trailer where BlockChecksum keeps its checksum: the identity is the
+    """A keyed MAC (HMAC-SHA256) of each block's identity and bytes, stored
+    where BlockChecksum keeps its checksum (the extended attribute *xattr*,
+    else a trailer): the identity is the
     tier's layout (FileMapper.layout_id(), which names the model, layout
     and rank's files) and the block's key (block hash and group). Unlike a
     checksum, nobody without the tier's key can compute it, so a planted or
@@ -292,18 +368,25 @@ class BlockMac(BlockChecksum):
 
     digest_size = 32
 
-    def __init__(self, mac_key: bytes, block_size: int, layout_id: str) -> None:
+    def __init__(
+        self,
+        mac_key: bytes,
+        block_size: int,
+        layout_id: str,
+        xattr: str | None = None,
+    ) -> None:
         self.algorithm = "hmac-sha256"
-        self.trailer_size = mmap.PAGESIZE if block_size % mmap.PAGESIZE == 0 else 32
+        self.xattr = xattr
+        self.trailer_size = _trailer_size(block_size, self.digest_size, xattr)
         self._keyed = hmac.new(mac_key, digestmod="sha256")
         layout = layout_id.encode()
         self._keyed.update(len(layout).to_bytes(2, "little") + layout)
 
     @classmethod
-    def describe_format(cls, block_size: int) -> dict:
+    def describe_format(cls, block_size: int, xattr: str | None = None) -> dict:
         """describe() before the layout is known, for FileMapper."""
-        trailer = mmap.PAGESIZE if block_size % mmap.PAGESIZE == 0 else 32
-        return {"algorithm": "hmac-sha256", "trailer_bytes": trailer}
+        trailer = _trailer_size(block_size, cls.digest_size, xattr)
+        return _describe("hmac-sha256", trailer, xattr)
 
     def compute(self, key: bytes, data: memoryview) -> bytes:
         mac = self._keyed.copy()
@@ -421,13 +504,15 @@ def store_block(
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
 
     An existing block file is kept (no redundant write) only if it is a
-    regular file of exactly block_size bytes (plus the checksum's trailer);
+    regular file of exactly block_size bytes (plus the checksum's trailer, if
+    any);
     anything else at dest_path (a short or long file, an empty directory) is
     replaced, and a store that cannot replace it (a non-empty directory)
     fails: a store never reports success for bytes it did not write. With
     overwrite (the file's load failed), even a complete-looking file is
-    replaced. With a checksum, the file holds the block followed by the
-    checksum's trailer (of *key* and the block). *on_new_dir* is called
+    replaced. With a checksum, its value (of *key* and the block) is set as
+    the file's extended attribute before the file is published, or written
+    as a trailer after the block (BlockChecksum). *on_new_dir* is called
     after the block's directory had to be created. Files and directories
     are created with *modes*; chmod=False skips the fchmod that sets the
     file's mode exactly where the umask cannot narrow it (umask_narrows()).
@@ -475,10 +560,11 @@ def store_block(
             pos += length
         view_slice[pos:] = bytes(block_size - pos)
     chunks = [view_slice]
-    if checksum is not None:
+    value = checksum.compute(key, view_slice) if checksum is not None else None
+    if checksum is not None and checksum.xattr is None:
         trailer = checksum.trailer()
         trailer[:] = bytes(len(trailer))
-        trailer[: checksum.digest_size] = checksum.compute(key, view_slice)
+        trailer[: checksum.digest_size] = value
         chunks.append(trailer)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     try:
@@ -496,6 +582,8 @@ def store_block(
                 raise OSError(
                     f"Short write: expected {file_size} bytes, wrote {written}"
                 )
+            if checksum is not None and checksum.xattr is not None:
+                os.setxattr(fd, checksum.xattr, value)
         finally:
             os.close(fd)
         os.replace(tmp_path, dest_path)
@@ -521,9 +609,10 @@ def load_block(
     Load callback: read one KV block from disk. Remove the file on failure.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
     Only a regular file of exactly block_size bytes (plus the checksum's
-    trailer) holds a block: anything else (a shorter or longer file, a
-    directory, a symbolic link) fails the load, and so does a block whose
-    checksum does not match its bytes and *key*. With *runs* (see
+    trailer, if any) holds a block: anything else (a shorter or longer file,
+    a directory, a symbolic link) fails the load, and so does a block whose
+    checksum does not match its bytes and *key*, or lacks one (its extended
+    attribute read from the fd the block was read from). With *runs* (see
     store_block()), the file's bytes go to those runs of the row, once
     checked; the row's other bytes are left as they are.
     """
@@ -535,7 +624,7 @@ def load_block(
         view_slice = _bounce(block_size)
     chunks = [view_slice]
     file_size = block_size
-    if checksum is not None:
+    if checksum is not None and checksum.xattr is None:
         chunks.append(checksum.trailer())
         file_size += checksum.trailer_size
     try:
@@ -563,7 +652,7 @@ def load_block(
         if bytes_read < file_size:
             raise OSError(f"Short read: expected {file_size} bytes, read {bytes_read}")
         if checksum is not None and not hmac.compare_digest(
-            chunks[1][: checksum.digest_size], checksum.compute(key, view_slice)
+            checksum.stored(fd, chunks), checksum.compute(key, view_slice)
         ):
             raise BlockIntegrityError(
                 f"{source_path} does not hold the block stored for its key "

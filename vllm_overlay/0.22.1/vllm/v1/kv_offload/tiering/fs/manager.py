@@ -30,18 +30,25 @@ Useful bytes only:
     whole rows written before are never read.
 
 Integrity (the tier config's "checksum", off by default):
-    With "xxh3_64" or "crc32", each block file holds the block followed by
-    a checksum of the block's key and bytes, in a trailer (a page where the
-    blocks are page-aligned, for O_DIRECT; else 8 bytes). A load whose
-    checksum does not match fails: the key is a miss. It costs throughput
-    (on 64 KiB blocks, 20-35% measured with bench/disk_bench.py on a small
-    VM): turn it on where silent corruption is a concern.
+    With "auto" (xxh3_64 where the xxhash package imports, else crc32),
+    "xxh3_64" or "crc32", each block file carries a checksum of the block's
+    key and bytes, set as its extended attribute user.vllm.kv_checksum
+    before the file is published: the file holds exactly the block. A load
+    whose checksum does not match or is missing fails: the key is a miss,
+    so a block file overwritten by another writer (same size, another key's
+    block, a flipped bit) is never served. Where the root's filesystem has
+    no user xattrs (probed once at start), the checksum is written in a
+    trailer after the block instead (a page where the blocks are
+    page-aligned, for O_DIRECT; else 8 bytes), which costs more I/O. Where
+    it is kept, and the algorithm, are part of the file layout
+    (config.json): files of one format are never read as another.
 
 Keyed namespace (the tier config's "key_file", off by default):
     For a store shared by several engines (NFS, a PVC): with a key read from
     a private file (fs/security.py), block files are named by a keyed hash
     of the block hash and carry an HMAC-SHA256 of the block's identity
-    (layout and key) and bytes in the checksum's trailer, checked on load.
+    (layout and key) and bytes where the checksum would be (the extended
+    attribute user.vllm.kv_mac, else the trailer), checked on load.
     Without the key nobody can compute where a prefix's block lives, test
     whether it is cached, or plant a file that loads: a planted or altered
     file is a miss, counted in the rate-limited failure report. Engines
@@ -103,14 +110,18 @@ from vllm.v1.kv_offload.tiering.fs.budget import (
     validate_max_bytes,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
+    CHECKSUM_XATTR,
     CHECKSUMS,
     GROUP_MODES,
+    MAC_XATTR,
     PRIVATE_MODES,
     BlockChecksum,
     BlockMac,
     load_block,
     make_dirs,
     probe_direct_io,
+    probe_user_xattrs,
+    resolve_checksum,
     scan_tier_files,
     store_block,
     umask_narrows,
@@ -219,12 +230,14 @@ class FileSystemTierManager(SecondaryTierManager):
             cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
                 temp files not modified for this long (left by writers
                 killed between writing a block and renaming it); None: never.
-            checksum: "none" (the default), "xxh3_64" (needs the xxhash
-                package) or "crc32" (zlib): store a checksum of each block's
-                key and bytes with the block and check it on every load; a
-                mismatch (a file overwritten in place, another key's block,
-                a flipped bit) makes the key a miss. Part of the file
-                layout: each setting has its own directory.
+            checksum: "none" (the default), "auto" (xxh3_64 where the
+                xxhash package imports, else crc32), "xxh3_64" or "crc32"
+                (zlib): store a checksum of each block's key and bytes with
+                the block (in an extended attribute of its file, else a
+                trailer) and check it on every load; a mismatch (a file
+                overwritten by another writer, another key's block, a
+                flipped bit) makes the key a miss. Part of the file layout:
+                each algorithm has its own directory.
             group_access: create files 0640 and directories 2770 (the
                 group's engines read blocks and store into each other's
                 directories) instead of 0600 and 0700.
@@ -263,11 +276,11 @@ class FileSystemTierManager(SecondaryTierManager):
             if key_file is not None
             else None
         )
-        if tier_key is not None and checksum != "none":
+        if tier_key is not None and checksum not in ("auto", "none"):
             raise ValueError(
                 f"the '{tier_type}' tier's key_file replaces its checksum (a "
                 "keyed MAC checks every block): remove 'checksum' or set it "
-                "to 'none'"
+                "to 'auto' or 'none'"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
 
@@ -282,9 +295,27 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"Unknown checksum {checksum!r} in the fs_python tier's config: "
                 f"set 'checksum' to one of {list(CHECKSUMS)}"
             )
-        self._checksum: BlockChecksum | None = (
-            BlockChecksum(checksum, self._block_size) if checksum != "none" else None
-        )
+        # the checksum or MAC in an extended attribute of each block file,
+        # else (a filesystem without user xattrs) in a trailer after it
+        xattr_reason = None
+        if tier_key is not None or checksum != "none":
+            make_dirs(root_dir, self._modes)
+            xattr_reason = probe_user_xattrs(root_dir, self._modes)
+        if xattr_reason is not None:
+            logger.info(
+                "fs_python tier at %s: keeping each block's checksum in a "
+                "trailer after the block because %s",
+                root_dir,
+                xattr_reason,
+            )
+        in_xattr = xattr_reason is None
+        self._checksum: BlockChecksum | None = None
+        if tier_key is None and checksum != "none":
+            self._checksum = BlockChecksum(
+                resolve_checksum(checksum),
+                self._block_size,
+                CHECKSUM_XATTR if in_xattr else None,
+            )
         file_format = self._checksum.describe() if self._checksum else None
 
         # what each group's files hold of a row (whole rows where unknown)
@@ -297,7 +328,9 @@ class FileSystemTierManager(SecondaryTierManager):
         if tier_key is not None:
             # keyed files live apart from unkeyed ones; the key is not named
             file_format = {
-                **BlockMac.describe_format(self._block_size),
+                **BlockMac.describe_format(
+                    self._block_size, MAC_XATTR if in_xattr else None
+                ),
                 "file_names": "keyed-blake2b-128",
             }
 
@@ -313,7 +346,10 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         if tier_key is not None:
             self._checksum = BlockMac(
-                tier_key.mac_key, self._block_size, self.file_mapper.layout_id()
+                tier_key.mac_key,
+                self._block_size,
+                self.file_mapper.layout_id(),
+                MAC_XATTR if in_xattr else None,
             )
 
         # bytes of each group's block files; a chunk has one per group
