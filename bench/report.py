@@ -395,12 +395,17 @@ def integrity_lines(d: dict) -> list[str]:
         ck = r["checksum"] or {}
         out.append(
             f"| {r['label']} | {r['blocks']} | {ck.get('algorithm')} "
-            f"(+{ck.get('trailer_bytes')} B) | {tput(nbytes, on['store_s'])} | "
+            f"({where(ck)}) | {tput(nbytes, on['store_s'])} | "
             f"{tput(nbytes, off['store_s'])} | {rcell(tratio(off['store_s'], on['store_s']))} | "
             f"{tput(nbytes, on['load_s'])} | {tput(nbytes, off['load_s'])} | "
             f"{rcell(tratio(off['load_s'], on['load_s']))} |"
         )
     return out
+
+
+def where(ck: dict) -> str:
+    """Where a block's checksum lives: the file's xattr, or a trailer of so many bytes."""
+    return f"xattr {ck['xattr']}" if ck.get("xattr") else f"+{ck.get('trailer_bytes')} B"
 
 
 def goal_integrity(goals: Goals, d: dict) -> None:
