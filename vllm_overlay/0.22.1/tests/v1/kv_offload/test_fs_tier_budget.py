@@ -18,6 +18,7 @@ settings are refused.
 import contextlib
 import logging
 import os
+import random
 import threading
 import time
 from types import SimpleNamespace
@@ -392,6 +393,110 @@ def test_restart_over_budget_trims_tails_first(
         assert serve(sched, request) >= 16
     finally:
         sched.shutdown()
+
+
+def budgeted_sched(model_config, layout: str, root_dir: str, chunks: int):  # noqa: F811
+    """The real connector scheduler over a CPU tier of 64 blocks and a
+    budgeted fs_python tier of `chunks` chunks (one file of every group)."""
+    probe = TieringOffloadingSpec(*make_configs(model_config, layout, root_dir, 64))
+    num_groups = len(probe.kv_cache_config.kv_cache_groups)
+    max_bytes = chunks * num_groups * file_bytes(probe)
+    spec = TieringOffloadingSpec(
+        *make_configs(
+            model_config,
+            layout,
+            root_dir,
+            64,
+            {"secondary_tiers": [tier_config(root_dir, max_bytes=max_bytes)]},
+        )
+    )
+    return spec, sched_for(spec)
+
+
+def test_a_chunk_past_a_gap_writes_no_file_of_any_group(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    sha256_block_hashes,  # noqa: F811
+):
+    """Sliding window + full attention (gemma3): a head of 4 chunks is
+    evicted from disk by other prompts but stays in the CPU tier; a prompt
+    of that head plus 4 chunks of its own hits the head in the CPU tier and
+    stores its 4 chunks, whose full-attention files could never hit from
+    disk (the chunk before them is not there). None of their files is
+    written, the sliding-window ones included: they would take the budget's
+    room and evict what can still hit."""
+    root_dir = str(tmp_path / "fs")
+    spec, sched = budgeted_sched(model_config, "gemma3", root_dir, 4)
+    head = [(11 * i + 5) % 500 for i in range(4 * 16)]
+    try:
+        serve(sched, make_request(spec, "head", head + [1]))
+        for p in range(3):  # other prompts fill the budget: the head goes
+            other = [(7 * i + 13 * p + 2) % 500 for i in range(4 * 16 + 1)]
+            serve(sched, make_request(spec, f"other{p}", other))
+        request = make_request(spec, "tail", head + [(3 * i) % 500 for i in range(65)])
+        keys = prompt_keys_of(sched, request)
+        files = block_files(root_dir)
+        assert stem(keys[0][3]) not in files  # the head's last chunk is gone
+        assert serve(sched, request) == 4 * 16  # hit in the CPU tier
+        files = block_files(root_dir)
+    finally:
+        sched.shutdown()
+    assert not {stem(k) for group in keys for k in group[4:]} & files
+    assert unreachable_share([keys], files, sched.config.kv_group_configs) == 0
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "gemma4"])
+def test_no_kept_file_is_unreachable_with_sliding_window_groups(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    sha256_block_hashes,  # noqa: F811
+    layout,
+):
+    """A shared-prefix workload with revisits over a budget of 16 chunks
+    (issue 19's measurement): 32 prompts of 4 shared heads and 4 chunks of
+    their own, then 64 revisits. The CPU tier keeps sliding-window blocks
+    only near the end of a prompt, so revisits store jobs of
+    sliding-window keys alone, some of chunks whose full-attention file was
+    evicted. After each request (its jobs done) no kept file is
+    unreachable: a sliding-window file is only written while the
+    full-attention chunks up to its end are on disk or being written
+    (gemma4: those of 32 tokens, the sliding-window ones of 16)."""
+    root_dir = str(tmp_path / "fs")
+    spec, sched = budgeted_sched(model_config, layout, root_dir, 16)
+    configs = sched.config.kv_group_configs
+    full = {i for i, c in enumerate(configs) if c.sliding_window_size_in_blocks is None}
+    tier = sched.manager.secondary_tiers[0]
+    submit_store = tier.submit_store
+    alone = [0]  # store jobs of sliding-window keys alone
+
+    def count_store(job):
+        if all(int.from_bytes(k[-4:], "big") not in full for k in job.keys):
+            alone[0] += 1
+        return submit_store(job)
+
+    tier.submit_store = count_store
+    heads = [[(11 * i + 101 * h + 3) % 500 for i in range(64)] for h in range(4)]
+    prompts = [
+        heads[p % 4] + [(7 * i + 13 * p + 1) % 500 for i in range(65)]
+        for p in range(32)
+    ]
+    rng = random.Random(19)
+    order = list(range(32)) + [
+        max(rng.randrange(32), rng.randrange(32)) for _ in range(64)
+    ]
+    all_keys: list = []
+    shares = []
+    try:
+        for i, p in enumerate(order):
+            request = make_request(spec, f"req{i}", prompts[p])
+            if i < 32:
+                all_keys.append(prompt_keys_of(sched, request))
+            serve(sched, request)
+            shares.append(unreachable_share(all_keys, block_files(root_dir), configs))
+    finally:
+        sched.shutdown()
+    assert alone[0] > 0  # the case this guards happened
+    assert max(shares) == 0, [f"{s:.0%}" for s in shares]
 
 
 # ---------------------------------------------------------------------------

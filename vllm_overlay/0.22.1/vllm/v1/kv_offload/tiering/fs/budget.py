@@ -25,9 +25,16 @@ Where the order comes from:
     keys at most), and a store finds a key's parent as the key before it in
     that list, scanning back from its end a bounded distance (a store's keys
     are its request's newest): O(1) per stored key. A key without such a
-    list (a caller that never touches) is a root. A key whose predecessor is
-    on no disk (evicted, or its store failed) could never hit from there:
-    it is not written.
+    list (a caller that never touches) is a root. A full-attention key whose
+    predecessor's file of its group is on no disk (evicted, being removed,
+    or its store failed) could never hit from there: it is not written, nor
+    are its chunk's files of the other groups. A sliding-window or mamba
+    file hits only with the full-attention chunks up to its end: it is
+    written only if its covering chunk (the first chunk of the
+    full-attention list at or after it, found by the chunk ids the lists
+    share in that list's tail) has its full-attention file on disk or being
+    written, or has none yet (the prompt may still grow). So no store job,
+    even one of sliding-window keys alone, writes a file past a gap.
 
 Where the work runs:
     The scheduler thread only posts events (a touch, a lookup() hit, a
@@ -222,6 +229,17 @@ def _group_indices(groups: int) -> list[int]:
 
 def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
     return lambda h: positions.get(h, -1)
+
+
+def _drop_bits(new: dict[bytes, int], drop: dict[bytes, int]) -> None:
+    """Take a store's files not to write (chunk -> group bitmask) out of its
+    new files."""
+    for h, bits in drop.items():
+        rest = new.get(h, 0) & ~bits
+        if rest:
+            new[h] = rest
+        else:
+            new.pop(h, None)
 
 
 class FsTierBudget:
@@ -559,12 +577,18 @@ class FsTierBudget:
             missing = bits & ~(state >> GROUPS)
             if missing:
                 new[h] = missing
-        parents, positions, orphans = self._find_parents(new, ids, req_id)
+        parents, positions, orphans, covers = self._find_parents(new, ids, req_id)
         unreachable: dict[bytes, int] = {}
-        for h, bit, prev in orphans:
+        going = self._removing
+        for h, _, prev in orphans:
             # not indexed here: on disk only if another engine stored it
-            if not os.path.exists(self._key_path(prev)):
-                unreachable[h] = unreachable.get(h, 0) | bit
+            # (an evicted file still there is about to go); if not, no file
+            # of the chunk is worth writing (its other groups' files could
+            # only hit past the same gap)
+            if self._cid(prev[:-4]) in going or not os.path.exists(
+                self._key_path(prev)
+            ):
+                unreachable[h] = new[h]
         if unreachable:
             # and so are the chunks after them in the job
             gone = set(unreachable)
@@ -573,12 +597,30 @@ class FsTierBudget:
                 if parent in gone and parent not in chunks:
                     unreachable[h] = new[h]
                     gone.add(h)
-            for h, bits in unreachable.items():
-                rest = new[h] & ~bits
-                if rest:
-                    new[h] = rest
-                else:
-                    del new[h]
+            _drop_bits(new, unreachable)
+        if covers:
+            # sliding-window and mamba files: their covering full-attention
+            # chunk (in this job after the drops above, indexed: on disk or
+            # being written, or on disk from another engine) or nothing
+            dropped: dict[bytes, int] = {}
+            recovering = self._recovering
+            for h, bit, cover, cover_bit, cover_key in covers:
+                if not new.get(h, 0) & bit:
+                    continue
+                state = chunks.get(cover)
+                if state is None and recovering is not None:
+                    state = recovering.get(cover)
+                if cover not in going and (
+                    (new.get(cover, 0) | (state or 0) >> GROUPS) & cover_bit
+                    or os.path.exists(self._key_path(cover_key))
+                ):
+                    continue
+                dropped[h] = dropped.get(h, 0) | bit
+            if dropped:
+                _drop_bits(new, dropped)
+                for h, bits in dropped.items():
+                    unreachable[h] = unreachable.get(h, 0) | bits
+        if unreachable:
             self.unreachable_files += sum(b.bit_count() for b in unreachable.values())
         # indexed parents stay while their new children are written
         for h in new:
@@ -706,24 +748,55 @@ class FsTierBudget:
     def _find_parents(
         self, new: dict[bytes, int], ids: dict[bytes, bytes] | None, req_id: str
     ) -> tuple[
-        dict[bytes, bytes], dict[bytes, int], list[tuple[bytes, int, OffloadKey]]
+        dict[bytes, bytes],
+        dict[bytes, int],
+        list[tuple[bytes, int, OffloadKey]],
+        list[tuple[bytes, int, bytes, int, OffloadKey]],
     ]:
         """Parents (indexed chunks, or new chunks of this job) and prompt
-        positions of the new chunks, from the request's touched lists, and
-        the new files whose predecessor is neither (chunk, group bit, the
-        predecessor's key). A store's keys are the newest of its request, so
-        each list is scanned back from its end, at most a bounded distance
-        past the job's keys of its group: O(1) per key; a chunk not found
-        there has no parent (a root)."""
+        positions of the new chunks, from the request's touched lists; the
+        new full-attention files whose predecessor is neither (chunk, group
+        bit, the predecessor's key); and the new files of the other groups
+        with their covering chunk (chunk, group bit, covering chunk, its
+        full-attention group bit and key). A store's keys are the newest of
+        its request, so each list is scanned back from its end, at most a
+        bounded distance past the job's keys of its group: O(1) per key; a
+        chunk not found there has no parent (a root).
+
+        A sliding-window or mamba file can only hit with the full-attention
+        chunks up to its end: its covering chunk is the first chunk of the
+        full-attention list at or after it (the same chunk where the block
+        sizes are equal; the next one that ends a full-attention block where
+        they are larger). It is found by the chunk ids the two lists share,
+        within the full-attention list's tail; below that tail's first chunk
+        (or with no full-attention chunk after it yet: the prompt may grow)
+        a file has no covering chunk, and is written."""
         parents: dict[bytes, bytes] = {}
         positions: dict[bytes, int] = {}
         orphans: list[tuple[bytes, int, OffloadKey]] = []
+        covers: list[tuple[bytes, int, bytes, int, OffloadKey]] = []
         orders = self._orders.get(req_id)
         if orders is None or not new:
-            return parents, positions, orphans
+            return parents, positions, orphans, covers
         chunks = self._chunks
         recovering = self._recovering
         prefix_groups = self._prefix_groups
+        cid = self._cid if ids is None else (lambda raw: ids.get(raw) or self._cid(raw))
+        # the full-attention list's tail: chunk id -> its key (one list: the
+        # first prefix group the request touched), and the tail's first chunk
+        tail: dict[bytes, OffloadKey] = {}
+        tail_first: bytes | None = None
+        cover_bit = 0
+        if prefix_groups is not None and not prefix_groups.issuperset(orders):
+            for g, order in orders.items():
+                if g not in prefix_groups or not order:
+                    continue
+                cover_bit = self._group_bit(g)
+                start = max(0, len(order) - len(new) - MAX_ORDER_SLACK)
+                tail_first = cid(order[start][:-4])
+                for k in order[start:]:
+                    tail[cid(k[:-4])] = k
+                break
         # the finest group first: its predecessor is the closest (groups of
         # larger blocks skip the chunks between theirs)
         for g, order in sorted(orders.items(), key=lambda item: -len(item[1])):
@@ -731,31 +804,47 @@ class FsTierBudget:
             if bit is None:
                 continue
             wanted = sum(1 for bits in new.values() if bits & bit)
-            # sliding-window and mamba groups skip chunks: no orphans there
+            # sliding-window and mamba groups skip chunks: no orphans there,
+            # but a covering full-attention chunk
             needs_prefix = prefix_groups is None or g in prefix_groups
+            cover: bytes | None = None
             i = len(order) - 1
             stop = max(0, i - wanted - MAX_ORDER_SLACK)
             while wanted and i >= stop:
                 h = order[i][:-4]
                 if ids is not None:
-                    h = ids.get(h)
+                    # every chunk's id where covering chunks are looked for
+                    h = cid(h) if tail and not needs_prefix else ids.get(h)
+                if not needs_prefix and h in tail:
+                    cover = h
                 if h is not None and new.get(h, 0) & bit:
                     wanted -= 1
                     positions.setdefault(h, i)
+                    if not needs_prefix and cover is not None:
+                        covers.append((h, bit, cover, cover_bit, tail[cover]))
                     if i:
                         prev = order[i - 1][:-4]
                         if ids is not None:
                             prev = ids.get(prev) or self._cid(prev)
-                        if (
-                            prev in chunks
-                            or prev in new
-                            or (recovering is not None and prev in recovering)
-                        ):
+                        state = chunks.get(prev)
+                        if state is None and recovering is not None:
+                            state = recovering.get(prev)
+                        if state is None and prev not in new:
+                            if needs_prefix:
+                                orphans.append((h, bit, order[i - 1]))
+                        else:
                             parents.setdefault(h, prev)
-                        elif needs_prefix:
-                            orphans.append((h, bit, order[i - 1]))
+                            # its file of this group failed or was refused
+                            if (
+                                needs_prefix
+                                and not (new.get(prev, 0) | (state or 0) >> GROUPS)
+                                & bit
+                            ):
+                                orphans.append((h, bit, order[i - 1]))
+                if h == tail_first:
+                    cover = None  # below the tail: covering chunks unknown
                 i -= 1
-        return parents, positions, orphans
+        return parents, positions, orphans, covers
 
     def _unpin(self, h: bytes) -> None:
         state = self._chunks.get(h)
