@@ -742,6 +742,58 @@ def budget_section(d: dict | None, goals: Goals) -> list[str]:
     return out
 
 
+def reach_section(d: dict | None, goals: Goals) -> list[str]:
+    """The budget's unreachable share of kept bytes (issue 19), per layout, vs per-key LRU."""
+    name = "issue 19 (max_bytes), unreachable share of kept bytes <= 5% at every layout"
+    out = ["### 3b.1 What the max_bytes budget keeps can still hit (issue 19), patched side", ""]
+    if d is None or "skipped" in d:
+        why = "budget_reach.py did not run" if d is None else d["skipped"]
+        out.append(f"Not measured: {why}.")
+        goals.add(name, None, why)
+        return out
+    w = d["workload"]
+    out += [
+        "A kept file is unreachable when a full-attention chunk of its prompt up to its end is "
+        "not on disk (it can never hit). Through the real connector scheduler, CPU tier "
+        f"({w['cpu_blocks']} blocks) and fs_python tier (vLLM files "
+        f"{d['fingerprint']['digest']}, newest {d['fingerprint']['newest']}): "
+        f"{w['prompts']} prompts of {w['head_chunks']} chunks of one of {w['heads']} shared "
+        f"heads and {w['tail_chunks']} of their own, then {w['revisits']} revisits, over "
+        f"{w['budget_chunks']} chunks (one file of every group each); per-key LRU: the same "
+        "tier unbounded, trimmed after every step least recently used file first to the same "
+        "bytes. Share of kept bytes, the mean over the requests once the budget is full "
+        "(each sampled at rest: its store jobs done, the budget's removals done) and at the "
+        "end.",
+        "",
+        "| layout | budget, mean | budget, end | per-key LRU, mean | per-key LRU, end | "
+        "tokens hit, budget / LRU | files not written as unreachable |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def pct(x):
+        return "n/a" if x is None else f"{x:.1%}"
+
+    judged = []
+    for layout, c in d["cases"].items():
+        b, lru = c["max_bytes"], c["lru"]
+        out.append(
+            f"| {layout} | {pct(b['mean'])} | {pct(b['end'])} | {pct(lru['mean'])} | "
+            f"{pct(lru['end'])} | {b['tokens_hit']} / {lru['tokens_hit']} | "
+            f"{b.get('not_written_unreachable', 'n/a')} |"
+        )
+        worst = max(x for x in (b["mean"], b["end"]) if x is not None)
+        judged.append((layout, worst))
+    bad = [f"{layout} {x:.1%}" for layout, x in judged if x > d["goal"]]
+    goals.add(
+        name,
+        not bad,
+        ("over: " + ", ".join(bad))
+        if bad
+        else "worst " + ", ".join(f"{layout} {x:.1%}" for layout, x in judged),
+    )
+    return out
+
+
 def runtime(total_s: float | None, sched: dict | None, disk: dict | None) -> str:
     """make bench's wall time, or (report.py run on its own) the sections' measured."""
     if total_s is not None:
@@ -761,6 +813,7 @@ def main() -> int:
     ap.add_argument("--sched", default=str(TMP / "sched.json"))
     ap.add_argument("--disk", default=str(TMP / "disk.json"))
     ap.add_argument("--budget", default=str(TMP / "budget.json"))
+    ap.add_argument("--reach", default=str(TMP / "reach.json"))
     ap.add_argument("--layout", default=str(TMP / "layout.json"))
     ap.add_argument("--e2e", default="skipped")
     ap.add_argument(
@@ -821,6 +874,8 @@ def main() -> int:
             goals.add(f"goal {n}", None, "the disk sections did not run")
     budget = json.loads(Path(args.budget).read_text()) if Path(args.budget).exists() else None
     lines += budget_section(budget, goals) + [""]
+    reach = json.loads(Path(args.reach).read_text()) if Path(args.reach).exists() else None
+    lines += reach_section(reach, goals) + [""]
     layout = json.loads(Path(args.layout).read_text()) if Path(args.layout).exists() else None
     lines += layout_section(layout, goals) + [""]
     lines += ["## 4. End to end on the CPU engine", "", args.e2e, ""]

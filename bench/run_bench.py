@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """make bench: the scheduler side (patched vs pristine), the disk tier, the HMA cost, the
-fs tier's max_bytes budget (with vs without, patched side), the useful bytes per layout,
+fs tier's max_bytes budget (with vs without, patched side; the unreachable share of its kept
+bytes vs a per-key LRU), the useful bytes per layout,
 each against its reference in the same run; writes bench/results/<date>-<host>.md + .png.
 
 BENCH_QUICK=1: a smoke run of about a minute (fewer rounds, smaller sizes).
@@ -40,7 +41,7 @@ def main() -> int:
     check_venv()
     t0 = time.monotonic()
     TMP.mkdir(parents=True, exist_ok=True)
-    for old in ("sched.json", "disk.json", "budget.json", "layout.json"):
+    for old in ("sched.json", "disk.json", "budget.json", "reach.json", "layout.json"):
         (TMP / old).unlink(missing_ok=True)
     say(
         f"make bench{' (BENCH_QUICK=1: smoke run)' if QUICK else ''}: scheduler side, "
@@ -49,6 +50,7 @@ def main() -> int:
     step("sched_bench.py")
     step("disk_bench.py")
     step("budget_bench.py")
+    step("budget_reach.py")
     step("layout_bytes.py")
     say("end to end on the CPU engine: " + E2E_SKIPPED)
     tag = ["--tag", os.environ["BENCH_TAG"]] if os.environ.get("BENCH_TAG") else []
