@@ -429,6 +429,13 @@ def goal_integrity(goals: Goals, d: dict) -> None:
     ]
     known = [(r, k) for r, k in items if r is not None]
     cheap = len(known) == 2 and all(r[0] >= GOAL_INTEGRITY for r, _ in known)
+    aa = row.get("off_aa")
+    if aa:  # the A/A control: the same "none" tier twice, the noise floor of the run
+        known += [
+            (tratio(off["store_s"], aa["store_s"]), "A/A store"),
+            (tratio(off["load_s"], aa["load_s"]), "A/A load"),
+        ]
+        known = [(r, k) for r, k in known if r is not None]
     goals.add(
         name,
         cheap and default not in ("none", None),
@@ -456,7 +463,7 @@ def goal_file_sizes(goals: Goals, points: list[dict]) -> None:
 
 CHUNK_NOT_TAKEN = (
     "the fs tier's lookup (one stat per key), atomic store (temp file + rename per key), "
-    "size check, per-file checksum / HMAC trailer and restart index all rest on one key = "
+    "size check, per-file checksum / HMAC and restart index all rest on one key = "
     "one file; a chunk's G keys may be stored in different jobs (the budget tracks a "
     "per-chunk group bitmask), so one file per chunk needs per-row presence inside the "
     "file, in-place row writes into a live file (no atomic rename) or a rewrite of the "
