@@ -16,7 +16,9 @@ tiers in this one process, rounds interleaved (the order alternates):
   settle()) vs unbounded. "full" says the timed rounds were at a full budget: after each, the
   budget's bytes at or above its low-water mark (the budget evicts ahead from HIGH_WATER down
   to LOW_WATER percent of max_bytes, so at rest it is between the two, never at max_bytes),
-  and the rounds evicted at least 90% of the files they wrote.
+  and the rounds evicted at least 90% of the files they wrote;
+- floor: raw writes of the same files with vs without removing as many older ones: what a
+  removal costs this disk by itself, the bound of the store ratio.
 Writes JSON for report.py; {"skipped": why} when the tree's fs tier has no max_bytes.
 """
 
@@ -277,6 +279,68 @@ def store_case(root: str, rounds: int, jobs: int, keys_per_job: int) -> dict:
     return out
 
 
+def removal_floor(root: str, rounds: int, files: int) -> dict:
+    """What removing files costs this disk by itself: raw writes of STORE_ROW files (temp file
+    + rename, O_DIRECT, 8 threads, the tier's pattern) vs the same writes plus the removal of as
+    many older files (as tasks of the same threads, as the budget's removals run), keeping
+    4 * files; rounds interleaved. A budget at its limit removes a file for every file it
+    writes: its store throughput over the unbounded tier's cannot beat this ratio."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    row = mmap.mmap(-1, STORE_ROW)
+    row.write(b"\7" * STORE_ROW)
+    view = memoryview(row)
+    direct = getattr(os, "O_DIRECT", 0)
+    keep = 4 * files
+    nxt = {"plain": 0, "removing": 0}
+
+    def path(side: str, i: int) -> str:
+        h = hashlib.sha256(str(i).encode()).hexdigest()
+        return f"{root}/floor-{side}/{h[:2]}/{h}.bin"
+
+    def write(p: str) -> None:
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct
+        try:
+            fd = os.open(p + ".tmp", flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+            fd = os.open(p + ".tmp", flags, 0o600)
+        try:
+            os.writev(fd, [view])
+        finally:
+            os.close(fd)
+        os.rename(p + ".tmp", p)
+
+    def task(side: str, i: int) -> None:
+        if i < 0:  # a removal
+            os.unlink(path(side, -i - 1))
+        else:
+            write(path(side, i))
+
+    def run(pool, side: str) -> float:
+        first = nxt[side]
+        nxt[side] += files
+        tasks = []
+        for i in range(first, first + files):
+            tasks.append(i)
+            if side == "removing" and i >= keep:
+                tasks.append(-(i - keep) - 1)
+        t0 = time.perf_counter()
+        list(pool.map(lambda i: task(side, i), tasks))
+        return files / (time.perf_counter() - t0)
+
+    out: dict = {"plain": [], "removing": []}
+    with ThreadPoolExecutor(8) as pool:
+        for side in out:  # fill to keep
+            while nxt[side] < keep:
+                run(pool, side)
+        for r in range(rounds):
+            for side in ("plain", "removing") if r % 2 == 0 else ("removing", "plain"):
+                out[side].append(run(pool, side))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(TMP / "budget.json"))
@@ -296,6 +360,8 @@ def main() -> int:
         result["sched"] = sched_case(root, rounds, 2 if QUICK else 6)
         say(f"budget: store throughput at a full budget vs unbounded, {rounds} rounds")
         result["store"] = store_case(root, rounds, 10 if QUICK else 30, 8)
+        say(f"budget: raw writes with vs without removals (this disk's floor), {rounds} rounds")
+        result["floor"] = removal_floor(root, rounds, (10 if QUICK else 30) * 8)
         result["seconds"] = time.monotonic() - t0
         shutil.rmtree(root, ignore_errors=True)
     with open(args.out, "w") as f:

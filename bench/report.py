@@ -745,7 +745,22 @@ def budget_section(d: dict | None, goals: Goals) -> list[str]:
         f"{med(t['max_bytes']):.0f} ({max(t['max_bytes']):.0f}) | {rcell(rt)} |",
     ]
     judge(goals, name_s, [(rs, "wall, with / without")], 1.10, "{}")
-    judge(goals, name_t, [(rt, "full / unbounded")], 0.9, "{}", low=True)
+    fl = d.get("floor")
+    rf = None
+    if fl and fl.get("plain") and fl.get("removing"):
+        rf = (max(fl["removing"]) / max(fl["plain"]), med(fl["removing"]) / med(fl["plain"]))
+        out.append(
+            f"| raw writes, files/s: without / with removing as many (this disk's floor) | "
+            f"{med(fl['plain']):.0f} ({max(fl['plain']):.0f}) | "
+            f"{med(fl['removing']):.0f} ({max(fl['removing']):.0f}) | {rcell(rf)} |"
+        )
+    floor = (
+        f"; raw writes on this disk, removing as many files as they write / not: {rtxt(rf)} "
+        "(a budget at its limit removes a file per file it writes)"
+        if rf
+        else ""
+    )
+    goals.add(name_t, rt[0] >= 0.9, f"full / unbounded: {rtxt(rt)}{floor}")
     return out
 
 
