@@ -18,6 +18,7 @@ import errno
 import logging
 import math
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -371,6 +372,105 @@ def test_budget_is_reported_to_kv_offload_metrics(
         sched.shutdown()
 
 
+def request_of(engine: Engine, req_id: str, tokens: list[int]) -> Request:
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+    )
+
+
+def test_a_chunk_past_a_gap_writes_no_file_of_any_group(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+):
+    """Sliding window + full attention (gemma3): a head of 4 chunks is
+    evicted from disk by other prompts but stays in the CPU tier; a prompt
+    of that head plus 4 chunks of its own stores only its 4 chunks (the CPU
+    tier holds the head), whose full-attention files could never hit from
+    disk (the chunk before them is not there). None of their files is
+    written, the sliding-window ones included: they would take the budget's
+    room and evict what can still hit."""
+    layout = "gemma3"
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    max_bytes = 4 * chunk_bytes_on_disk(probe)
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    head = [(11 * i + 5) % 500 for i in range(4 * 16)]
+    try:
+        store_prompt(sched, request_of(engine, "head", head + [1]))
+        for p in range(3):  # other prompts fill the budget: the head goes
+            other = [(7 * i + 13 * p + 2) % 500 for i in range(4 * 16 + 1)]
+            store_prompt(sched, request_of(engine, f"other{p}", other))
+        tail = head + [(3 * i) % 500 for i in range(65)]
+        keys = store_prompt(sched, request_of(engine, "tail", tail))
+        files = block_files(root_dir)
+    finally:
+        sched.shutdown()
+    assert stem(keys[0][3]) not in files  # the head's last chunk is gone
+    written = {stem(k) for group in keys for k in group[4:]} & files
+    assert not written, sorted(written)
+    assert not unreachable_files([keys], files, sched)
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "gemma4"])
+def test_no_kept_file_is_unreachable_with_sliding_window_groups(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    layout,
+):
+    """A shared-prefix workload with revisits over a budget of 16 chunks
+    (issue 19's measurement): 32 prompts of 4 shared heads and 4 chunks of
+    their own, then 64 revisits, each looked up through the connector
+    scheduler (promoting its disk hit) and then offloaded. Heads and tails
+    leave the disk while the CPU tier still holds chunks before them, so
+    stores come past gaps. After each request (its jobs done) no kept file
+    is unreachable: no file of any group is written past a full-attention
+    gap (gemma4: full-attention chunks of 32 tokens, sliding-window ones of
+    16), and a chunk left with sliding-window files alone goes with its
+    evicted full-attention child."""
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    max_bytes = 16 * chunk_bytes_on_disk(probe)
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    (tier,) = tiering_manager(sched).secondary_tiers
+    budget = tier._budget  # type: ignore[attr-defined]
+    heads = [[(11 * i + 101 * h + 3) % 500 for i in range(64)] for h in range(4)]
+    prompts = [
+        heads[p % 4] + [(7 * i + 13 * p + 1) % 500 for i in range(65)]
+        for p in range(32)
+    ]
+    rng = random.Random(19)
+    order = list(range(32)) + [
+        max(rng.randrange(32), rng.randrange(32)) for _ in range(64)
+    ]
+    all_keys: list = []
+    counts = []  # unreachable / kept files after each request
+    try:
+        for i, p in enumerate(order):
+            lookup = request_of(engine, f"lookup{i}", prompts[p])
+            sched.on_new_request(lookup)
+            settled: set[str] = set()
+            for _ in range(3):
+                settle_step(sched, [lookup], settled)
+            assert settled
+            keys = store_prompt(sched, request_of(engine, f"req{i}", prompts[p]))
+            if i < 32:
+                all_keys.append(keys)
+            # not halfway through the budget thread's removals
+            wait_until(lambda: budget.unlinking == 0)
+            files = block_files(root_dir)
+            lost = unreachable_files(all_keys, files, sched)
+            counts.append(f"{len(lost)}/{len(files)}")
+    finally:
+        sched.shutdown()
+    assert all(c.startswith("0/") for c in counts), counts
+
+
 # ---------------------------------------------------------------------------
 # At the tier
 # ---------------------------------------------------------------------------
@@ -378,16 +478,20 @@ def test_budget_is_reported_to_kv_offload_metrics(
 _ROW_ELEMENTS = 1024  # float32: a 4 KiB block file
 
 
-def make_tier(root_dir: str, rows, group_tokens=(), events=False, **config):
-    """An fs tier over rows (a page-aligned tensor), with a spec of
-    full-attention KV cache groups of group_tokens tokens a chunk (none:
-    no group known)."""
+def make_tier(root_dir: str, rows, group_tokens=(), events=False, windows=(), **config):
+    """An fs tier over rows (a page-aligned tensor), with a spec of KV cache
+    groups of group_tokens tokens a chunk (none: no group known), full
+    attention, or sliding-window ones of windows[g] chunks where that is
+    not None."""
     spec = _make_offloading_spec(enable_kv_cache_events=events)
     spec.config = dataclasses.replace(
         spec.config,
         groups=tuple(
             OffloadingGroupConfig(
-                tokens_per_block=tokens, layer_names=(f"l{g}",), group_id=g
+                tokens_per_block=tokens,
+                layer_names=(f"l{g}",),
+                group_id=g,
+                sliding_window_size_in_chunks=windows[g] if windows else None,
             )
             for g, tokens in enumerate(group_tokens)
         ),
@@ -743,6 +847,100 @@ def test_a_chunk_a_coarser_group_stored_first_gets_its_parent(tmp_path):
         drain(tier)
         assert budget._parent[tail] == head
         assert list(budget._leaves) == [tail]
+    finally:
+        tier.shutdown()
+
+
+def test_a_sliding_window_file_is_written_only_with_its_covering_chunk(tmp_path):
+    """A full-attention group and a sliding-window group, 16 tokens a chunk:
+    a store job of sliding-window keys alone (the connector stores them
+    apart when the CPU tier holds the chunk's other files) writes no file
+    past the request's last full-attention file on disk: such a file could
+    never hit. Once its full-attention chunk is on disk, it is written."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path),
+        rows,
+        group_tokens=(16, 16),
+        windows=(None, 1),
+        max_bytes=16 * page,
+    )
+    budget = tier._budget
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(4)]
+        full = [make_offload_key(h, 0) for h in hashes]
+        window = [make_offload_key(h, 1) for h in hashes]
+        ctx = ReqContext("req")
+        for i in range(4):
+            ctx.set_offload_key_position(full[i], 16 * (i + 1))
+            ctx.set_offload_key_position(window[i], 16 * (i + 1))
+        keys = full[:2] + window[:2]
+        tier.submit_store(TransferJob(0, keys, np.arange(4), False, ctx))
+        drain(tier)
+        # chunks 2 and 3: their full-attention files were not stored (their
+        # store failed, or was refused)
+        tier.submit_store(TransferJob(1, window[2:], np.arange(2), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        assert {stem(k) for k in keys} <= on_disk
+        assert not {stem(k) for k in window[2:]} & on_disk
+        assert budget.unreachable_files == 2
+        # chunk 2's full-attention file is stored: its sliding-window file
+        # can hit now
+        tier.submit_store(TransferJob(2, [full[2]], np.arange(1), False, ctx))
+        drain(tier)
+        tier.submit_store(TransferJob(3, [window[2]], np.arange(1), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        assert {stem(full[2]), stem(window[2])} <= on_disk
+        assert stem(window[3]) not in on_disk
+    finally:
+        tier.shutdown()
+
+
+def test_a_chunk_left_with_sliding_window_files_alone_goes_with_its_child(
+    tmp_path,
+):
+    """Full attention of 32 tokens a chunk, sliding window of 16: the
+    sliding-window file at 48 tokens hits only with the full-attention
+    chunk at 64 (its child, with that chunk's sliding-window file). When
+    the child is evicted, it is evicted with it, in the same eviction, not
+    kept unreachable until a later one; the prefix before it stays."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path),
+        rows,
+        group_tokens=(32, 16),
+        windows=(None, 1),
+        max_bytes=6 * page,
+    )
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(4)]  # at 16, 32, 48, 64
+        full = [make_offload_key(hashes[1], 0), make_offload_key(hashes[3], 0)]
+        window = [make_offload_key(h, 1) for h in hashes]
+        ctx = ReqContext("req")
+        for i, k in enumerate(full):
+            ctx.set_offload_key_position(k, 32 * (i + 1))
+        for i, k in enumerate(window):
+            ctx.set_offload_key_position(k, 16 * (i + 1))
+        keys = full + window
+        tier.submit_store(TransferJob(0, keys, np.arange(6), False, ctx))
+        drain(tier)
+        assert {stem(k) for k in keys} == block_files(str(tmp_path))
+        # another prompt's first chunk: room for its 2 files
+        other = [make_offload_key(b"o" * 32, g) for g in range(2)]
+        ctx = ReqContext("other")
+        for k in other:
+            ctx.set_offload_key_position(k, 32)
+        tier.submit_store(TransferJob(1, other, np.arange(2), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        gone = {stem(full[1]), stem(window[3]), stem(window[2])}
+        assert not gone & on_disk
+        assert {stem(full[0]), stem(window[0]), stem(window[1])} <= on_disk
+        assert {stem(k) for k in other} <= on_disk
     finally:
         tier.shutdown()
 

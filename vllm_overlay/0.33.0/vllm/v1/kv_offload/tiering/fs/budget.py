@@ -10,7 +10,9 @@ What can still hit:
     the chunks on disk form a forest: a chunk's parent is the chunk before it
     in its prompt. Only leaves (chunks with no kept child) are evicted, in
     least-recently-used order, with every group's file of the chunk at once;
-    a parent whose last child was evicted becomes the next victim. So a
+    a parent whose last child was evicted becomes the next victim, at once
+    when it is left with sliding-window or mamba files alone (they hit only
+    with the full-attention child evicted before them). So a
     prefix loses its tail before its head, a prefix shared by several
     prompts stays while any of them is kept, and no kept file is unreachable
     because an earlier chunk of its prefix was evicted.
@@ -26,11 +28,19 @@ Where the order comes from:
     When that key is not kept (a prefix the CPU tier served, never asked of
     this tier) the request's recorded positions are read in full, at most
     each time they have doubled: amortized O(1) per key. A key without a
-    position or without a recorded predecessor is a root. A full-attention
-    key whose predecessor is on no disk (evicted, or its store failed) could
-    never hit from there: it is not written. A predecessor that is not
-    indexed is on disk only if lookup() found it for the request (another
-    engine's file) or, until the start-up scan is done, if its file exists.
+    position or without a recorded predecessor is a root. No file is written
+    past a gap: a full-attention key whose predecessor's file of its group
+    is on no disk (evicted, being removed, or its store failed or was
+    refused) could never hit from there: it is not written, nor are its
+    chunk's files of the other groups. A sliding-window or mamba file hits
+    only with the full-attention chunks up to its end: it is written only
+    if its covering chunk (the request's full-attention key at the first
+    chunk end at or after its own, found by position like a parent) has
+    its file on disk or being written, or is not known yet (the prompt may
+    still grow). So no store job, even one of sliding-window keys alone,
+    writes a file past a gap. A key that is not indexed is on disk only if
+    lookup() found it for the request (another engine's file) or, until the
+    start-up scan is done, if its file exists.
 
 Where the work runs:
     The scheduler thread only posts events (a lookup() hit, a store or load
@@ -217,6 +227,17 @@ def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
     return lambda h: positions.get(h, -1)
 
 
+def _drop_bits(new: dict[bytes, int], drop: dict[bytes, int]) -> None:
+    """Take a store's files not to write (chunk -> group bitmask) out of its
+    new files."""
+    for h, bits in drop.items():
+        rest = new.get(h, 0) & ~bits
+        if rest:
+            new[h] = rest
+        else:
+            new.pop(h, None)
+
+
 def _slot(position: int, group_idx: int) -> int:
     """A request's key's place: its end-token position and group, one int."""
     return position << 32 | group_idx
@@ -277,6 +298,17 @@ class FsTierBudget:
             if prefix_groups is None
             else frozenset(g.to_bytes(4, "big") for g in prefix_groups)
         )
+        # the group bits of prefix_groups (-1: every group)
+        self._prefix_bits = (
+            -1 if prefix_groups is None else sum(1 << g for g in prefix_groups)
+        )
+        # the full-attention group whose chunks cover the other groups'
+        # files (group index, its tokens a chunk), where there are both
+        self._cover_group: tuple[int, int] | None = None
+        if prefix_groups is not None and set(chunk_tokens) - set(prefix_groups):
+            g = min((g for g in prefix_groups if g in chunk_tokens), default=None)
+            if g is not None:
+                self._cover_group = (g, chunk_tokens[g])
         self._lock = threading.Lock()
         # chunk id -> state (RECOVERED, PINS, CHILDREN, GROUPS above)
         self._chunks: dict[bytes, int] = {}
@@ -641,26 +673,55 @@ class FsTierBudget:
             missing = bits & ~(state >> GROUPS)
             if missing:
                 new[h] = missing
-        parents, positions, orphans = self._find_parents(new, ids, keys, req_context)
+        parents, positions, orphans, covers = self._find_parents(
+            new, ids, keys, req_context
+        )
+        req_id = req_context.req_id
+        going = self._removing
         unreachable: dict[bytes, int] = {}
-        for h, bit, prev in orphans:
-            # not indexed here: on disk only if another engine stored it
-            if not self._on_disk(prev, req_context.req_id):
-                unreachable[h] = unreachable.get(h, 0) | bit
+        for h, _, prev in orphans:
+            # not indexed with that file here: on disk only if another
+            # engine stored it, and not if it is being removed; if not, no
+            # file of the chunk is worth writing (its other groups' files
+            # could only hit past the same gap)
+            if self._cid(prev[:-4]) in going or not self._on_disk(prev, req_id):
+                unreachable[h] = new[h]
         if unreachable:
-            # and so are the chunks after them in the job
+            # and so are the chunks after them in the job (unless their
+            # parent's full-attention files are on disk already)
             gone = set(unreachable)
+            kept = self._prefix_bits
             for h in sorted(new, key=_by_position(positions)):
                 parent = parents.get(h)
-                if parent in gone and parent not in chunks:
+                if parent in gone and not chunks.get(parent, 0) >> GROUPS & kept:
                     unreachable[h] = new[h]
                     gone.add(h)
-            for h, bits in unreachable.items():
-                rest = new[h] & ~bits
-                if rest:
-                    new[h] = rest
-                else:
-                    del new[h]
+            _drop_bits(new, unreachable)
+        if covers:
+            # sliding-window and mamba files: their covering full-attention
+            # file (in this job after the drops above, indexed: on disk or
+            # being written, or another engine's) or nothing
+            dropped: dict[bytes, int] = {}
+            recovering = self._recovering
+            for h, bit, cover_key in covers:
+                if not new.get(h, 0) & bit:
+                    continue
+                cover = self._cid(cover_key[:-4])
+                cover_bit = self._group_bit(cover_key[-4:])
+                state = chunks.get(cover)
+                if state is None and recovering is not None:
+                    state = recovering.get(cover)
+                if cover not in going and (
+                    (new.get(cover, 0) | (state or 0) >> GROUPS) & cover_bit
+                    or self._on_disk(cover_key, req_id)
+                ):
+                    continue
+                dropped[h] = dropped.get(h, 0) | bit
+            if dropped:
+                _drop_bits(new, dropped)
+                for h, bits in dropped.items():
+                    unreachable[h] = unreachable.get(h, 0) | bits
+        if unreachable:
             self.unreachable_files += sum(b.bit_count() for b in unreachable.values())
         # indexed parents stay while their new children are written
         for h in new:
@@ -789,20 +850,28 @@ class FsTierBudget:
         keys: Collection[OffloadKey],
         req_context: ReqContext,
     ) -> tuple[
-        dict[bytes, bytes], dict[bytes, int], list[tuple[bytes, int, OffloadKey]]
+        dict[bytes, bytes],
+        dict[bytes, int],
+        list[tuple[bytes, int, OffloadKey]],
+        list[tuple[bytes, int, OffloadKey]],
     ]:
         """Parents (indexed chunks, or new chunks of this job) and prompt
         positions of the new chunks, from the keys' positions and the keys
-        the tier saw of their request, and the new files whose predecessor
-        is neither (chunk, group bit, the predecessor's key). O(1) per key;
-        a chunk whose predecessor is unknown has no parent (a root). Notes
-        the job's keys for the request's next store."""
+        the tier saw of their request; the new full-attention files whose
+        predecessor's file of their group is neither indexed nor new here
+        (chunk, group bit, the predecessor's key); and the new files of the
+        other groups with their covering chunk's key (chunk, group bit, the
+        key of the cover group at the first chunk end at or after theirs).
+        O(1) per key (amortized); a chunk whose predecessor is unknown has
+        no parent (a root), a file whose covering key is unknown no cover.
+        Notes the job's keys for the request's next store."""
         parents: dict[bytes, bytes] = {}
         positions: dict[bytes, int] = {}
         orphans: list[tuple[bytes, int, OffloadKey]] = []
+        covers: list[tuple[bytes, int, OffloadKey]] = []
         if not new:
             self.note_keys(keys, req_context)
-            return parents, positions, orphans
+            return parents, positions, orphans, covers
         req_id = req_context.req_id
         orders = self._orders.get(req_id)
         if orders is None:
@@ -828,6 +897,8 @@ class FsTierBudget:
                 group_idx = int.from_bytes(k[-4:], "big")
                 orders[_slot(position, group_idx)] = k
                 placed.append((k, position, group_idx))
+        cover_group = self._cover_group
+        recalled = False
         for k, position, group_idx in placed:
             g = k[-4:]
             h = k[:-4] if ids is None else ids[k[:-4]]
@@ -836,6 +907,21 @@ class FsTierBudget:
             if not new.get(h, 0) & bit or tokens is None:
                 continue
             positions.setdefault(h, position)
+            needs_prefix = prefix_groups is None or g in prefix_groups
+            if not needs_prefix and cover_group is not None:
+                # the first full-attention chunk end at or after this one's
+                cover_idx, cover_tokens = cover_group
+                end = -(-position // cover_tokens) * cover_tokens
+                cover_slot = _slot(end, cover_idx)
+                cover_key = orders.get(cover_slot)
+                if cover_key is None and not recalled:
+                    self._order_keys += len(orders) - n
+                    orders = self._recall(req_context)
+                    n = len(orders)
+                    recalled = True
+                    cover_key = orders.get(cover_slot)
+                if cover_key is not None:
+                    covers.append((h, bit, cover_key))
             if position <= tokens:
                 continue  # the first chunk: a root
             slot = _slot(position - tokens, group_idx)
@@ -848,14 +934,19 @@ class FsTierBudget:
                 if prev_key is None:
                     continue  # no recorded predecessor: a root
             prev = self._cid(prev_key[:-4])
-            if prev in chunks or prev in new:
-                parents.setdefault(h, prev)
-            elif prefix_groups is None or g in prefix_groups:
-                # sliding-window and mamba groups skip chunks: no orphans
+            state = chunks.get(prev)
+            if state is None and prev not in new:
+                if needs_prefix:
+                    # sliding-window and mamba groups skip chunks: no orphans
+                    orphans.append((h, bit, prev_key))
+                continue
+            parents.setdefault(h, prev)
+            # its file of this group failed, was refused or is not written
+            if needs_prefix and not (new.get(prev, 0) | (state or 0) >> GROUPS) & bit:
                 orphans.append((h, bit, prev_key))
         self._order_keys += len(orders) - n
         self._bound_orders()
-        return parents, positions, orphans
+        return parents, positions, orphans, covers
 
     def _unpin(self, h: bytes) -> None:
         state = self._chunks.get(h)
@@ -954,18 +1045,36 @@ class FsTierBudget:
             for k in pending[checked:]:
                 hit.add(self._cid(k[:-4]))
             checked = len(pending)
-            for h in victims:
-                state = chunks[h]
-                if h in hit:  # found by a lookup() meanwhile: kept
-                    removing.discard(h)
-                    leaves[h] = None
-                    continue
-                groups = state >> GROUPS
-                evicted.append((h, groups))
-                files += groups.bit_count()
-                self._remove_chunk(h, state)
-            if hit.issuperset(victims):
-                break
+            before = len(evicted)
+            while victims:
+                # a parent left with sliding-window or mamba files alone
+                # could only hit with the full-attention child just evicted:
+                # it follows it now (marked removing before the hits are
+                # read again)
+                heads: list[bytes] = []
+                for h in victims:
+                    state = chunks[h]
+                    if h in hit:  # found by a lookup() meanwhile: kept
+                        removing.discard(h)
+                        leaves[h] = None
+                        continue
+                    groups = state >> GROUPS
+                    evicted.append((h, groups))
+                    files += groups.bit_count()
+                    parent = self._parent.get(h)
+                    self._remove_chunk(h, state)
+                    state = chunks.get(parent, PINS) if parent is not None else PINS
+                    if not state & (PINS | CHILDREN | self._prefix_bits << GROUPS):
+                        removing.add(parent)
+                        heads.append(parent)
+                victims = heads
+                if heads:
+                    pending = list(self._pending_hits)
+                    for k in pending[checked:]:
+                        hit.add(self._cid(k[:-4]))
+                    checked = len(pending)
+            if len(evicted) == before:
+                break  # every victim was found by a lookup() meanwhile
         if files:
             self.evicted_files += files
             keys = self._keys_of(evicted[taken_over:])
