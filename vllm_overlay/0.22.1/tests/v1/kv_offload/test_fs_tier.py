@@ -731,6 +731,58 @@ def test_checksum_in_an_xattr_else_in_a_trailer(tmp_path, caplog, block_bytes, r
             tier.shutdown()
 
 
+def test_a_block_file_that_lost_its_xattr_is_written_again(tmp_path):
+    """A block file copied or restored without its extended attributes (cp,
+    rsync without -X) has the right size but no checksum: a store of its
+    key writes it again, instead of keeping a file whose load would fail."""
+    rows = _aligned_rows(4)
+    rows[0] = 7
+    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        os.removexattr(path, "user.vllm.kv_checksum")
+        tier.submit_store(make_job(2, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
+        tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 7).all()
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("has_xxhash", [True, False])
+def test_checksum_auto_is_recorded_as_the_algorithm_it_chose(
+    tmp_path, monkeypatch, has_xxhash
+):
+    """checksum "auto" is xxh3_64 where the xxhash package imports, else
+    crc32, and config.json records the algorithm chosen: an engine that
+    chose the other one uses other files, never misreads these."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if has_xxhash:
+        pytest.importorskip("xxhash")
+    else:
+        monkeypatch.setattr(fs_io, "xxhash", None)
+    expected = "xxh3_64" if has_xxhash else "crc32"
+    rows = _aligned_rows(2)
+    tier = _make_tier(str(tmp_path), rows, checksum="auto")
+    try:
+        with open(tier.file_mapper.get_config_file_path()) as f:
+            assert expected in json.dumps(json.load(f))
+        assert tier._checksum.algorithm == expected
+        rows[0] = 3
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 3).all()
+    finally:
+        tier.shutdown()
+
+
 def test_xattr_and_trailer_files_never_mix(tmp_path, monkeypatch):
     """Where the checksum is kept is part of the file layout (config.json):
     blocks stored with it in an xattr are not looked up by a tier on the

@@ -578,6 +578,44 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
         tier.shutdown()
 
 
+@pytest.mark.parametrize("removals_per_task", [16, 0])
+def test_a_refused_job_still_removes_what_it_evicted(
+    tmp_path, monkeypatch, removals_per_task
+):
+    """A job that evicts a chunk and is then refused (the rest of the room
+    is pinned by a lookup hit) still removes the evicted file: else it stays
+    on disk uncounted, past max_bytes, and its key is a miss that is never
+    written again. With no removals per task, the job's last task removes
+    everything the job evicted."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    monkeypatch.setattr(fs_manager, "REMOVALS_PER_TASK", removals_per_task)
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    max_bytes = 2 * page + page // 2
+    tier = make_tier(str(tmp_path), rows, max_bytes=max_bytes)
+    try:
+        a, b = key(1), key(2)
+        store_keys(tier, [a, b], 0, rows)
+        assert tier.lookup(a, _CTX)  # pinned for this step
+        h = b"two-groups".ljust(32, b"\0")
+        c0, c1 = make_offload_key(h, 0), make_offload_key(h, 1)
+        rows[3] = block_bytes(c0, page)
+        rows[4] = block_bytes(c1, page)
+        # room for one of the two files once b is evicted: the job is refused
+        tier.submit_store(make_job(10, [c0, c1], [3, 4]))
+        assert not all(r.success for r in _finish(tier))
+        tier.get_finished()  # the next engine step: b's removal is over
+        assert not os.path.exists(tier.file_mapper.get_file_name(b))
+        assert disk_bytes(str(tmp_path)) <= max_bytes
+        (stored,) = store_keys(tier, [b], 20, rows)
+        assert stored.success and tier.lookup(b, _CTX)
+        assert os.path.exists(tier.file_mapper.get_file_name(b))
+        assert disk_bytes(str(tmp_path)) <= max_bytes
+    finally:
+        tier.shutdown()
+
+
 def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
     """A store evicts a chunk and an I/O thread removes its file later: in
     between, lookup() answers the evicted key as a miss (a promotion of it

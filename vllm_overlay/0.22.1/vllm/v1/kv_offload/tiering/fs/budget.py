@@ -102,6 +102,7 @@ Shared roots:
     file another engine removed is a miss (lookup() checks the file).
 """
 
+import itertools
 import os
 import threading
 import time
@@ -189,11 +190,14 @@ class Admission:
     """A store or load job's share of the budget: posted by the scheduler
     thread, decided when its event is applied (see FsTierBudget._drain())."""
 
-    __slots__ = ("keys", "req_id", "result", "ticket")
+    __slots__ = ("keys", "req_id", "result", "ticket", "tasks_run")
 
     def __init__(self, keys: Collection[OffloadKey], req_id: str | None) -> None:
         self.keys = keys
         self.req_id = req_id
+        # a store's tasks (one per key) count themselves: its last task
+        # removes the evicted files the others left (next() is atomic)
+        self.tasks_run = itertools.count()
         # a store's: the keys that do not fit, the keys not worth writing,
         # the evicted chunks whose files its tasks remove before they write
         self.result: (
@@ -351,6 +355,8 @@ class FsTierBudget:
         self.rejected_jobs = 0
         self._warned_rejections = (0, 0)
         self._next_rejection_warning = 0.0
+        # the warning is called from the scheduler thread and I/O threads
+        self._rejection_warning = threading.Lock()
 
         # the start-up scan, eviction ahead and its removals, and the
         # journal's records run on this thread
@@ -981,13 +987,19 @@ class FsTierBudget:
 
     def _warn_rejections(self) -> None:
         """Stores refused since the previous warning, if any (at most one
-        line per REPORT_INTERVAL_S; read without the lock: counters)."""
-        files, jobs = self.rejected_files, self.rejected_jobs
-        last_files, last_jobs = self._warned_rejections
-        if files == last_files:
-            return
-        self._warned_rejections = (files, jobs)
-        self._next_rejection_warning = time.monotonic() + REPORT_INTERVAL_S
+        line per REPORT_INTERVAL_S; read without the budget's lock: counters;
+        one thread at a time, so that two threads never say the same)."""
+        if not self._rejection_warning.acquire(blocking=False):
+            return  # another thread is saying it
+        try:
+            files, jobs = self.rejected_files, self.rejected_jobs
+            last_files, last_jobs = self._warned_rejections
+            if files == last_files:
+                return
+            self._warned_rejections = (files, jobs)
+            self._next_rejection_warning = time.monotonic() + REPORT_INTERVAL_S
+        finally:
+            self._rejection_warning.release()
         logger.warning(
             "%s: %d block file(s) of %d store job(s) not written since the "
             "previous report (%d and %d since start): no room in "

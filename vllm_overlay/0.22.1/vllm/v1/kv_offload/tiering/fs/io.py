@@ -253,7 +253,8 @@ def probe_user_xattrs(directory: str, modes: FileModes = PRIVATE_MODES) -> str |
     if not hasattr(os, "setxattr"):
         return "extended attributes are not available on this platform"
     probe_path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
-    fd = os.open(probe_path, os.O_CREAT | os.O_WRONLY | O_NOFOLLOW, modes.file)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW
+    fd = os.open(probe_path, flags, modes.file)
     try:
         os.setxattr(fd, CHECKSUM_XATTR, bytes(8))
         if os.getxattr(fd, CHECKSUM_XATTR) != bytes(8):
@@ -284,7 +285,7 @@ class BlockChecksum:
     read as the other.
     """
 
-    # bytes of the trailer the checksum's value takes
+    # bytes of the checksum's value (in the xattr or the trailer)
     digest_size = 8
 
     def __init__(
@@ -475,6 +476,19 @@ def probe_direct_io(
     return None, False
 
 
+def _holds_value(path: str, checksum: BlockChecksum | None) -> bool:
+    """Whether the file at *path* has the extended attribute its checksum or
+    MAC lives in (always, where it lives in a trailer): a file copied or
+    restored without its xattrs is written again, not kept to fail its
+    load. Its value is checked by the load, as any file's."""
+    if checksum is None or checksum.xattr is None:
+        return True
+    try:
+        return bool(os.getxattr(path, checksum.xattr, follow_symlinks=False))
+    except OSError:
+        return False
+
+
 def _bounce(size: int) -> memoryview:
     """This thread's page-aligned buffer of *size* bytes (O_DIRECT needs
     one): a group file's data gathered from, or scattered to, the group's
@@ -505,7 +519,7 @@ def store_block(
 
     An existing block file is kept (no redundant write) only if it is a
     regular file of exactly block_size bytes (plus the checksum's trailer, if
-    any);
+    any) that has the extended attribute its checksum lives in, if any;
     anything else at dest_path (a short or long file, an empty directory) is
     replaced, and a store that cannot replace it (a non-empty directory)
     fails: a store never reports success for bytes it did not write. With
@@ -533,7 +547,7 @@ def store_block(
         st = None
     if st is not None:
         complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
-        if complete and not overwrite:
+        if complete and not overwrite and _holds_value(dest_path, checksum):
             return
         if stat.S_ISDIR(st.st_mode):
             try:

@@ -625,19 +625,22 @@ class FileSystemTierManager(SecondaryTierManager):
     ) -> None:
         """A store task of a budgeted tier: its job's admission first (on
         this I/O thread, not the scheduler's), then its share of the evicted
-        chunks' files removed, then its write."""
+        chunks' files removed, then its write. The shares are removed before
+        a key is refused or skipped, and the job's last task removes what is
+        left: every file the job evicted goes, whatever its own keys do."""
         assert self._budget is not None
         rejected, unreachable, evicted = self._budget.admitted(job)
+        last = next(job.tasks_run) == len(job.keys) - 1
+        if evicted:
+            share = []
+            with contextlib.suppress(IndexError):
+                for _ in range(len(evicted) if last else REMOVALS_PER_TASK):
+                    share.append(evicted.popleft())
+            self._budget.remove_evicted(share)
         if rejected and key in rejected:
             self._reject(key)
         if unreachable and key in unreachable:
             return  # its prefix is not on disk: it could never hit
-        if evicted:
-            share = []
-            with contextlib.suppress(IndexError):
-                for _ in range(REMOVALS_PER_TASK):
-                    share.append(evicted.popleft())
-            self._budget.remove_evicted(share)
         gf = self._group_file(key)
         store_block(
             self.file_mapper.get_file_name(key),
