@@ -151,9 +151,12 @@ def perkey_table(d: dict, goals: Goals) -> list[str]:
     return out
 
 
-def judge(goals: Goals, name: str, items, limit: float, label: str, low=False, missing=()) -> None:
+def judge(
+    goals: Goals, name: str, items, limit: float, label: str, low=False, missing=(), note=""
+) -> None:
     """items: [((best, median) or None, key)]; met when every best is within the limit
-    and nothing is missing (missing: what the goal names that this run did not measure)."""
+    and nothing is missing (missing: what the goal names that this run did not measure);
+    note: said after the figures, judges nothing."""
     known = [(r, k) for r, k in items if r is not None]
     gaps = [f"{m}: not measured" for m in missing]
     if not known:
@@ -163,7 +166,7 @@ def judge(goals: Goals, name: str, items, limit: float, label: str, low=False, m
     goals.add(
         name,
         ok and len(known) == len(items) and not gaps,
-        "; ".join([*(f"{label.format(k)}: {rtxt(r)}" for r, k in known), *gaps]),
+        "; ".join([*(f"{label.format(k)}: {rtxt(r)}" for r, k in known), *gaps]) + note,
     )
 
 
@@ -400,7 +403,30 @@ def integrity_lines(d: dict) -> list[str]:
             f"{tput(nbytes, on['load_s'])} | {tput(nbytes, off['load_s'])} | "
             f"{rcell(tratio(off['load_s'], on['load_s']))} |"
         )
+    out += [""] + [f"- {r['label']}: {cpu_txt(r)}" for r in d["integrity"] if cpu_txt(r)]
     return out
+
+
+def cpu_txt(r: dict) -> str:
+    """The check's CPU per block (process CPU time, every thread; median), on vs off, and
+    what checksumming a just-loaded block once costs (the least any check can)."""
+    on, off = r["on"], r["off"]
+    if not on.get("load_cpu_s"):
+        return ""
+    us = {
+        (side, op): 1e6 * med(x[f"{op}_cpu_s"]) / r["blocks"]
+        for side, x in (("on", on), ("off", off))
+        for op in ("store", "load")
+    }
+    txt = ", ".join(
+        f"{op} {us['on', op]:.0f} / {us['off', op]:.0f} us "
+        f"(+{us['on', op] - us['off', op]:.1f}, {us['on', op] / us['off', op]:.2f}x)"
+        for op in ("store", "load")
+    )
+    once = r.get("hash_once_s")
+    if once:
+        txt += f"; checksumming a loaded block once: {1e6 * med(once) / r['blocks']:.1f} us"
+    return "CPU per block, on / off: " + txt
 
 
 def where(ck: dict) -> str:
@@ -436,10 +462,13 @@ def goal_integrity(goals: Goals, d: dict) -> None:
             (tratio(off["load_s"], aa["load_s"]), "A/A load"),
         ]
         known = [(r, k) for r, k in known if r is not None]
+    cpu = cpu_txt(row)
     goals.add(
         name,
         cheap and default not in ("none", None),
-        f"default checksum {default!r}; " + "; ".join(f"{k}: {rtxt(r)}" for r, k in known),
+        f"default checksum {default!r}; "
+        + "; ".join(f"{k}: {rtxt(r)}" for r, k in known)
+        + (f"; {cpu}" if cpu else ""),
     )
 
 
@@ -528,7 +557,7 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
         "| load tier | load raw | tier / raw |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    points, judged = [], []
+    points, judged, floors = [], [], []
     for r in d["rows"]:
         nbytes = r["payload"] * r["blocks"]
         t, w = r["tier"], r["raw"]
@@ -552,13 +581,24 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
             points.append(pt)
             if r["payload"] in GOAL_FS_ROWS:
                 judged += [(rs, f"{r['label']} store"), (rl, f"{r['label']} load")]
+                a = r.get("raw_atomic")
+                if a and a["store_s"]:
+                    floors.append(
+                        f"{r['label']}: raw with a crash-safe publish (temp + rename) / raw "
+                        f"{rtxt(tratio(w['store_s'], a['store_s']))}, tier / it "
+                        f"{rtxt(tratio(a['store_s'], t['store_s']))}"
+                    )
     goal2 = (
         f"goal 2, the fs tier's own cost: tier / raw >= {GOAL_FS} at "
         + " and ".join(fmt_bytes(b) for b in GOAL_FS_ROWS)
         + " rows, store and load"
     )
     missing = [fmt_bytes(b) for b in GOAL_FS_ROWS if not any(p["x"] == b for p in points)]
-    judge(goals, goal2, judged, GOAL_FS, "{}", low=True, missing=missing)
+    # store only: a load has nothing to publish
+    floor = "; stores against this disk's floor: " + "; ".join(floors) if floors else ""
+    judge(goals, goal2, judged, GOAL_FS, "{}", low=True, missing=missing, note=floor)
+    if floors:
+        out += ["", "Stores against this disk's cost of publishing crash-safe: " + "; ".join(floors)]
     goal_file_sizes(goals, points)
     out += ["", *integrity_lines(d)]
     goal_integrity(goals, d)
