@@ -35,10 +35,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import JobMetadata  # noqa: E402
+from vllm.v1.kv_offload.tiering import base as tiering_base  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
 
-from fakes import fake_spec  # noqa: E402
+from fakes import fake_spec, fake_spec_0330  # noqa: E402
+
+# The 0.33.0 track's tier ("fs": its C batch path where built) takes TransferJob and answers
+# get_finished_jobs(); 0.22.1's ("fs_python") JobMetadata and get_finished().
+TRACK_0330 = hasattr(tiering_base, "TransferJob")
+TIER_TYPE = "fs" if TRACK_0330 else "fs_python"
 
 # A tier that fails every block logs an error per block; the job result says it failed.
 # (Set after importing vLLM: its logging config resets the levels of existing loggers.)
@@ -47,6 +52,7 @@ logging.getLogger("vllm.v1.kv_offload.tiering.fs").setLevel(logging.CRITICAL)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 PAGE = mmap.PAGESIZE
 GOAL_ROWS = (64 << 10, 256 << 10)  # the row sizes issue 20's goal 2 names
+JOB_CHUNKS = 16  # chunks per job: a 4,096-token prompt in 256-token chunks
 
 
 class Point:
@@ -77,16 +83,19 @@ class Point:
         self.view = memoryview(arr)
         self.flat = memoryview(self.buf)
         tier_root = os.path.join(root, "tier")
+        if TRACK_0330 and groups != 1:
+            raise BenchError("the 0.33.0 track's tier is measured with one group only")
         self.tier = FileSystemTierManager(
-            fake_spec(groups),
+            fake_spec_0330() if TRACK_0330 else fake_spec(groups),
             self.view,
-            "fs_python",
+            TIER_TYPE,
             root_dir=tier_root,
             n_read_threads=threads // 2,
             n_write_threads=threads - threads // 2,
             **(tier_config or {}),
         )
-        self.direct = getattr(self.tier, "_direct_io", True)  # the patched tier decides
+        # the patched tier decides (0.33.0: _use_o_direct)
+        self.direct = getattr(self.tier, "_direct_io", getattr(self.tier, "_use_o_direct", True))
         # chunk c, group g -> row c * groups + g (a chunk's G keys are adjacent)
         hashes = [
             hashlib.sha256(f"{row_bytes}-{groups}-{c}".encode()).digest() for c in range(chunks)
@@ -110,23 +119,37 @@ class Point:
 
     # -- the fs tier, driven as TieringOffloadingManager drives it
     def tier_io(self, is_load: bool) -> float:
-        job_id = next(self._job)
-        job = JobMetadata(
-            job_id=job_id,
-            keys=self.keys,
-            block_ids=np.arange(self.rows, dtype=np.int64),
-            is_promotion=is_load,
-            req_context=ReqContext(req_id="bench"),
-        )
+        """Every row in jobs of JOB_CHUNKS chunks (a request's share of a step), submitted at
+        once, as concurrent requests do: the 0.33.0 tier runs a job as one task (its C
+        batch), 0.22.1's a task per key; either spreads over the I/O threads."""
+        per_job = JOB_CHUNKS * self.groups
+        jobs = []
+        for start in range(0, self.rows, per_job):
+            job_id = next(self._job)
+            keys = self.keys[start : start + per_job]
+            rows = np.arange(start, start + len(keys), dtype=np.int64)
+            ctx = ReqContext(req_id=f"bench-{job_id}")
+            if TRACK_0330:
+                job = tiering_base.TransferJob(job_id, keys, rows, is_load, ctx)
+            else:
+                job = tiering_base.JobMetadata(job_id, keys, rows, is_load, ctx)
+            jobs.append(job)
+        finished = self.tier.get_finished_jobs if TRACK_0330 else self.tier.get_finished
+        submit = self.tier.submit_load if is_load else self.tier.submit_store
+        waiting = {job.job_id for job in jobs}
         t0 = time.perf_counter()
-        (self.tier.submit_load if is_load else self.tier.submit_store)(job)
-        while True:
-            done = [r for r in self.tier.get_finished() if r.job_id == job_id]
-            if done:
-                break
-            time.sleep(0.001)
+        for job in jobs:
+            submit(job)
+        failed = False
+        while waiting:
+            for r in finished():
+                if r.job_id in waiting:
+                    waiting.discard(r.job_id)
+                    failed |= not r.success
+            if waiting:
+                time.sleep(0.001)
         took = time.perf_counter() - t0
-        if not done[0].success:
+        if failed:
             raise OSError("the fs tier reported a failed job")
         return took
 
@@ -492,9 +515,10 @@ def main() -> int:
         "checksum_default": checksum_default(),
         "integrity": [],
         "fingerprint": fingerprint(),
+        "tier_type": TIER_TYPE,
     }
     say(
-        f"disk tier: fs_python vs raw file-per-block I/O in {root}, {args.threads} threads, "
+        f"disk tier: {TIER_TYPE} vs raw file-per-block I/O in {root}, {args.threads} threads, "
         f"{args.rounds} rounds"
     )
     sections = set(args.sections.split(","))

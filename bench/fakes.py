@@ -46,3 +46,45 @@ def fake_spec(num_groups: int, manager=None, model: str = "bench/model") -> Simp
         hash_blocks_per_offloaded_block=(1,) * num_groups,
         get_manager=lambda: manager,
     )
+
+
+def fake_spec_0330(model: str = "bench/model"):
+    """The spec the 0.33.0 track's fs tier reads (spec.config, blocks_per_chunk,
+    kv_events_config), one worker, no KV events: as its own tests build it."""
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    config = OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="bench-engine",
+        model=OffloadingModelConfig(name=model, dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_SIZE, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        replicated_layout=False,
+    )
+    return SimpleNamespace(
+        config=config,
+        blocks_per_chunk=1,
+        kv_events_config=OffloadingKVEventsConfig(
+            enable_kv_cache_events=False, self_describing_kv_events=False
+        ),
+    )

@@ -434,10 +434,10 @@ def where(ck: dict) -> str:
     return f"xattr {ck['xattr']}" if ck.get("xattr") else f"+{ck.get('trailer_bytes')} B"
 
 
-def goal_integrity(goals: Goals, d: dict) -> None:
+def goal_integrity(goals: Goals, d: dict, track: str = "") -> None:
     """Goal 4: the checksum on by default, costing <= 5 % at 64 KiB, store and load."""
     name = (
-        f"goal 4, integrity on by default at <= {100 * (1 - GOAL_INTEGRITY):.0f}% cost at "
+        f"goal 4{track}, integrity on by default at <= {100 * (1 - GOAL_INTEGRITY):.0f}% cost at "
         "64 KiB, store and load"
     )
     if not d.get("integrity_check"):
@@ -542,12 +542,14 @@ def chunk_layout_table(hma: list[dict]) -> tuple[list[str], list]:
     return out, [(x, k) for x, k in ratios if x is not None]
 
 
-def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
+def rows_table(d: dict, goals: Goals, title: str, track: str = "") -> tuple[list[str], list]:
+    """The tier vs raw by row size, and goal 2 judged on it (track: said in the goal's name)."""
     out = [
-        "## 2. Disk tier: fs_python vs raw file-per-block I/O",
+        title,
         "",
         f"{d['threads']} I/O threads on both sides (the tier: half read-, half "
-        f"write-priority, all serve either queue), {d['rounds']} round(s), the same directory "
+        "write-priority, all serve either queue; jobs of 16 rows submitted at once), "
+        f"{d['rounds']} round(s), the same directory "
         f"tree under `{d['dir']}` (directories made beforehand, files deleted between rounds, "
         "pages dropped before loads). Raw: open/write/close (open/readv/close) of the "
         "payload; the tier adds an existence check, a temporary file and a rename per block. "
@@ -589,7 +591,7 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
                         f"{rtxt(tratio(a['store_s'], t['store_s']))}"
                     )
     goal2 = (
-        f"goal 2, the fs tier's own cost: tier / raw >= {GOAL_FS} at "
+        f"goal 2{track}, the fs tier's own cost: tier / raw >= {GOAL_FS} at "
         + " and ".join(fmt_bytes(b) for b in GOAL_FS_ROWS)
         + " rows, store and load"
     )
@@ -598,10 +600,36 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
     floor = "; stores against this disk's floor: " + "; ".join(floors) if floors else ""
     judge(goals, goal2, judged, GOAL_FS, "{}", low=True, missing=missing, note=floor)
     if floors:
-        out += ["", "Stores against this disk's cost of publishing crash-safe: " + "; ".join(floors)]
+        out += [
+            "",
+            "Stores against this disk's cost of publishing crash-safe: " + "; ".join(floors),
+        ]
+    return out, points
+
+
+def disk_0330_section(d: dict, goals: Goals) -> list[str]:
+    """The 0.33.0 track's fs tier (its C batch path) vs raw: goals 2 and 4 on that track."""
+    track = " (0.33.0 track)"
+    out, _ = rows_table(
+        d,
+        goals,
+        "### 2b. The 0.33.0 track's `fs` tier (a job is one C batch, GIL released) vs raw",
+        track,
+    )
+    out += ["", *integrity_lines(d)]
+    goal_integrity(goals, d, track)
+    return out
+
+
+def disk_section(d: dict, goals: Goals, d0330: dict | None = None) -> tuple[list[str], list[dict]]:
+    out, points = rows_table(
+        d, goals, f"## 2. Disk tier: {d.get('tier_type', 'fs_python')} vs raw file-per-block I/O"
+    )
     goal_file_sizes(goals, points)
     out += ["", *integrity_lines(d)]
     goal_integrity(goals, d)
+    if d0330:
+        out += ["", *disk_0330_section(d0330, goals)]
 
     h0 = d["hma"][0]
     out += [
@@ -610,7 +638,8 @@ def disk_section(d: dict, goals: Goals) -> tuple[list[str], list[dict]]:
         "",
         f"Chunks of {fmt_bytes(h0['chunk_bytes'])} (all groups together), {h0['chunks']} "
         "chunks per round: G groups write G files of 1/G the size per chunk, the same bytes "
-        "and tokens for every G, through the fs tier (one job, every file its own task) "
+        "and tokens for every G, through the fs tier (jobs of 16 chunks submitted at once, "
+        "every file its own task) "
         "and raw (one task per file; serial: one task per chunk, its G files in sequence). "
         "MB/s: median (best); vs 1 group: best (median). G files of 1/G the size cost the "
         "disk itself (raw) more than one file: the goal is that the tier adds no cost of its "
@@ -874,6 +903,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sched", default=str(TMP / "sched.json"))
     ap.add_argument("--disk", default=str(TMP / "disk.json"))
+    ap.add_argument("--disk-0330", default=str(TMP / "disk-0330.json"))
     ap.add_argument("--budget", default=str(TMP / "budget.json"))
     ap.add_argument("--reach", default=str(TMP / "reach.json"))
     ap.add_argument("--layout", default=str(TMP / "layout.json"))
@@ -929,7 +959,9 @@ def main() -> int:
     if sched:
         lines += sched_section(sched, goals) + [""]
     if disk:
-        disk_lines, points = disk_section(disk, goals)
+        p0330 = Path(args.disk_0330)
+        d0330 = json.loads(p0330.read_text()) if p0330.exists() else None
+        disk_lines, points = disk_section(disk, goals, d0330)
         lines += disk_lines + [""]
     else:
         for n in range(2, 7):

@@ -17,6 +17,7 @@ from pathlib import Path
 from common import QUICK, TMP, VENV_PY, BenchError, check_venv, run_main, say, vllm_env
 
 HERE = Path(__file__).resolve().parent
+VENV_0330_PY = HERE.parent / ".venv-0.33.0" / "bin" / "python"
 E2E_SKIPPED = (
     "skipped: a cold-restart time-to-first-token comparison needs at least three engine starts "
     "(store, cold restart loading from disk, recompute without the connector) at 1-3 minutes "
@@ -27,11 +28,13 @@ E2E_SKIPPED = (
 )
 
 
-def step(script: str, *args: str) -> None:
+def step(script: str, *args: str, python: Path = VENV_PY) -> None:
     t0 = time.monotonic()
     # the disk sections import the patched side (BENCH_PATCHED_SITE, else .venv as is)
     env = vllm_env(pristine=False)
-    rc = subprocess.call([str(VENV_PY), str(HERE / script), *args], cwd=HERE.parent, env=env)
+    if python != VENV_PY:
+        env.pop("PYTHONPATH", None)  # BENCH_PATCHED_SITE is the default track's
+    rc = subprocess.call([str(python), str(HERE / script), *args], cwd=HERE.parent, env=env)
     if rc != 0:
         raise BenchError(f"bench/{script} failed (exit status {rc}); see its message above")
     say(f"{script}: {time.monotonic() - t0:.0f} s")
@@ -41,7 +44,14 @@ def main() -> int:
     check_venv()
     t0 = time.monotonic()
     TMP.mkdir(parents=True, exist_ok=True)
-    for old in ("sched.json", "disk.json", "budget.json", "reach.json", "layout.json"):
+    for old in (
+        "sched.json",
+        "disk.json",
+        "disk-0330.json",
+        "budget.json",
+        "reach.json",
+        "layout.json",
+    ):
         (TMP / old).unlink(missing_ok=True)
     say(
         f"make bench{' (BENCH_QUICK=1: smoke run)' if QUICK else ''}: scheduler side, "
@@ -49,6 +59,20 @@ def main() -> int:
     )
     step("sched_bench.py")
     step("disk_bench.py")
+    if VENV_0330_PY.exists():  # the 0.33.0 track's tier, where that track is built
+        step(
+            "disk_bench.py",
+            "--sections",
+            "rows,integrity",
+            "--out",
+            str(TMP / "disk-0330.json"),
+            python=VENV_0330_PY,
+        )
+    else:
+        say(
+            f"disk tier of the 0.33.0 track: skipped, {VENV_0330_PY} is not built "
+            "(VLLM_VERSION=0.33.0 make apply builds it)"
+        )
     step("budget_bench.py")
     step("budget_reach.py")
     step("layout_bytes.py")
