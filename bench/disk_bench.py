@@ -382,24 +382,34 @@ def fingerprint() -> str:
     return f"{vllm.__version__} from {path} (files {fp['digest']}, newest {fp['newest']})"
 
 
-def has_integrity_check() -> bool:
-    """Whether the fs tier checks what it loads (its `checksum` setting)."""
+def integrity_setting() -> str | None:
+    """The fs tier's integrity setting: "checksum" (0.22.1), "checksum_blocks" (0.33.0: a
+    CRC32C, #57912's shape), or None (the tier checks nothing)."""
     import inspect
 
-    return "checksum" in inspect.signature(FileSystemTierManager).parameters
+    params = inspect.signature(FileSystemTierManager).parameters
+    return next((name for name in ("checksum", "checksum_blocks") if name in params), None)
+
+
+def has_integrity_check() -> bool:
+    """Whether the fs tier can check what it loads (an integrity setting)."""
+    return integrity_setting() is not None
 
 
 def checksum_default() -> str | None:
-    """The fs tier's `checksum` setting when a config leaves it out (None: no setting)."""
+    """The integrity setting's value when a config leaves it out (None: no setting)."""
     import inspect
 
-    param = inspect.signature(FileSystemTierManager).parameters.get("checksum")
-    return None if param is None else str(param.default)
+    name = integrity_setting()
+    if name is None:
+        return None
+    return str(inspect.signature(FileSystemTierManager).parameters[name].default)
 
 
-def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: int) -> list:
-    """The tier with a checksum ("on": its default where that checks blocks) vs checksum "none"
-    ("off", and "off_aa", the same again: the A/A control), same rows."""
+def integrity_configs() -> tuple[dict, dict]:
+    """The tier configs that check blocks ("on": the default where it checks) and not."""
+    if integrity_setting() == "checksum_blocks":
+        return {"checksum_blocks": True}, {"checksum_blocks": False}
     on_config: dict = {}
     if checksum_default() in (None, "none"):
         try:
@@ -408,6 +418,13 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
             on_config = {"checksum": "xxh3_64"}
         except ImportError:
             on_config = {"checksum": "crc32"}
+    return on_config, {"checksum": "none"}
+
+
+def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: int) -> list:
+    """The tier with a checksum ("on": its default where that checks blocks) vs without
+    ("off", and "off_aa", the same again: the A/A control), same rows."""
+    on_config, off_config = integrity_configs()
     sides = ("on", "off", "off_aa")
     out = []
     for label, row_bytes in (("64 KiB", 64 << 10), ("2 MiB", 2 << 20)):
@@ -420,7 +437,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
                 n,
                 1,
                 threads,
-                tier_config=on_config if side == "on" else {"checksum": "none"},
+                tier_config=on_config if side == "on" else off_config,
             )
             for side in sides
         }
@@ -438,12 +455,16 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
             for p in points.values():
                 p.close()
         used = points["on"].tier._checksum
+        if isinstance(used, bool):  # 0.33.0: checksum_blocks
+            described = {"algorithm": "crc32c", "xattr": "user.vllm.kv_crc32c"} if used else None
+        else:
+            described = used.describe() if used else None
         out.append(
             {
                 "label": label,
                 "row_bytes": row_bytes,
                 "blocks": n,
-                "checksum": used.describe() if used else None,
+                "checksum": described,
                 "tier_direct": points["on"].direct,
                 "hash_once_s": hash_floor,
                 **res,
@@ -457,8 +478,8 @@ def hash_once(point: Point, rounds: int) -> list[float]:
     after a load (cold: the bytes came from the disk by DMA): the least any check of the
     loaded bytes costs, whatever holds its value."""
     check = point.tier._checksum
-    if check is None:
-        return []
+    if not hasattr(check, "compute"):
+        return []  # none, or 0.33.0's CRC32C (computed in C, inside the batch calls)
     times = []
     for _ in range(rounds):
         point.round_trip("tier")  # the rows come fresh from the disk; not timed here

@@ -731,10 +731,12 @@ def test_checksum_in_an_xattr_else_in_a_trailer(tmp_path, caplog, block_bytes, r
             tier.shutdown()
 
 
-def test_a_block_file_that_lost_its_xattr_is_written_again(tmp_path):
+@pytest.mark.parametrize("xattr", ["removed", "another block's"])
+def test_a_block_file_without_its_checksum_is_written_again(tmp_path, xattr):
     """A block file copied or restored without its extended attributes (cp,
-    rsync without -X) has the right size but no checksum: a store of its
-    key writes it again, instead of keeping a file whose load would fail."""
+    rsync without -X), or with another block's checksum, has the right size
+    but not this block's checksum: a store of its key writes it again,
+    instead of keeping a file whose load would fail."""
     rows = _aligned_rows(4)
     rows[0] = 7
     tier = _make_tier(str(tmp_path), rows, checksum="crc32")
@@ -742,10 +744,14 @@ def test_a_block_file_that_lost_its_xattr_is_written_again(tmp_path):
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         path = tier.file_mapper.get_file_name(key(1))
-        os.removexattr(path, "user.vllm.kv_checksum")
+        stored = os.getxattr(path, "user.vllm.kv_checksum")
+        if xattr == "removed":
+            os.removexattr(path, "user.vllm.kv_checksum")
+        else:
+            os.setxattr(path, "user.vllm.kv_checksum", bytes(8))
         tier.submit_store(make_job(2, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
+        assert os.getxattr(path, "user.vllm.kv_checksum") == stored
         tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[1] == 7).all()

@@ -549,9 +549,9 @@ def prompt_ctx(req_id: str, keys: list[OffloadKey]) -> ReqContext:
 def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
     """A budget of two files, both stored; one has a load in flight (held
     in its read) and the other was reported present by lookup() in this
-    step: a store of a new key evicts neither (it fails, and the failure
-    report says why), the load reads the stored bytes, and once the step
-    ends and the load is done a store evicts."""
+    step: a store of a new key evicts neither (it fails, and the budget's
+    rejection warning says why), the load reads the stored bytes, and once
+    the step ends and the load is done a store evicts."""
     from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 
     rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
@@ -722,6 +722,85 @@ def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vll
             "1 evicted block file(s) could not be removed" in m for m in errors
         ), errors
         assert tier._budget.removal_errors == 1
+    finally:
+        tier.shutdown()
+
+
+def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(
+    tmp_path, caplog_vllm
+):
+    """A store refused for want of room (every file pinned) is the budget
+    working, not the disk failing: it fails its job and is reported on the
+    budget's own warning (at once, then at most one line per interval, with
+    the counts and max_bytes), never on the tier's I/O failure line; a
+    write that fails on the disk is still reported there."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    a, b = block_key(1), block_key(2)
+    try:
+        with caplog_vllm.at_level(logging.WARNING):
+            assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+            # reported present: pinned until the step ends
+            assert lookup_and_wait(tier, [a, b]) == [LookupResult.HIT] * 2
+            tier.submit_store(make_job(10, [block_key(3)], [2]))
+            tier.submit_store(make_job(20, [block_key(4)], [3]))
+            assert [r.success for r in drain(tier)] == [False, False]
+            assert tier._budget.rejected_files == 2
+            tier.on_schedule_end(ScheduleEndContext((), ()))  # pins released
+            # a write that fails on the disk: a non-empty directory in the way
+            path = tier.file_mapper.get_file_name(block_key(5))
+            os.makedirs(os.path.join(path, "x"))
+            (failed,) = store_keys(tier, [block_key(5)], 30, rows)
+            assert not failed.success
+            tier.shutdown()
+        records = caplog_vllm.records
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+        rejections = [m for m in warnings if "not written" in m]
+        # the first at once; the second, within the interval, at shutdown
+        assert len(rejections) == 2, rejections
+        assert "1 block file(s) of 1 store job(s)" in rejections[0]
+        assert f"max_bytes={2 * page}" in rejections[0]
+        assert "(2 and 2 since start)" in rejections[1]
+        # the I/O failure line counts the failed write only
+        assert len(errors) == 1, errors
+        assert "1 store job(s) and 0 load job(s) failed" in errors[0]
+        assert "no room in max_bytes" not in errors[0]
+    finally:
+        tier.shutdown()
+
+
+def test_the_written_keys_of_a_partly_refused_store_are_reported_stored(tmp_path):
+    """A store job the budget refuses part of fails, but the keys it wrote
+    are on disk and counted: with KV events they are published as stored
+    (so that their eviction later, published as removed, follows a store
+    a router saw), the refused ones are not."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path), rows, group_tokens=(16,), events=True, max_bytes=2 * page
+    )
+    a, c, d = block_key(1), block_key(3), block_key(4)
+    try:
+        assert all(r.success for r in store_keys(tier, [a], 0, rows))
+        assert lookup_and_wait(tier, [a]) == [LookupResult.HIT]  # pinned
+        # one file of room: c (its prompt's first chunk) is written, d not
+        ctx = prompt_ctx("req", [c, d])
+        tier.submit_store(TransferJob(10, [c, d], np.arange(1, 3), False, ctx))
+        (result,) = drain(tier)
+        assert not result.success
+        assert tier._budget.rejected_files == 1
+        assert os.path.exists(tier.file_mapper.get_file_name(c))
+        assert not os.path.exists(tier.file_mapper.get_file_name(d))
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert events == [([a], False), ([c], False)]
+        # c is counted and evictable: its eviction is published after it
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        store_keys(tier, [block_key(5), block_key(6)], 20, rows)
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert ([c], True) in events
+        assert disk_bytes(str(tmp_path)) <= 2 * page
     finally:
         tier.shutdown()
 

@@ -476,17 +476,21 @@ def probe_direct_io(
     return None, False
 
 
-def _holds_value(path: str, checksum: BlockChecksum | None) -> bool:
-    """Whether the file at *path* has the extended attribute its checksum or
-    MAC lives in (always, where it lives in a trailer): a file copied or
-    restored without its xattrs is written again, not kept to fail its
-    load. Its value is checked by the load, as any file's."""
+def _holds_value(
+    path: str, checksum: BlockChecksum | None, value: bytes | None
+) -> bool:
+    """Whether the file at *path* holds *value*, this block's checksum or
+    MAC, in the extended attribute it lives in (always, where it lives in a
+    trailer: checked by the load): a file copied or restored without its
+    xattrs, or another block's, is written again, not kept to fail its
+    load."""
     if checksum is None or checksum.xattr is None:
         return True
     try:
-        return bool(os.getxattr(path, checksum.xattr, follow_symlinks=False))
+        stored = os.getxattr(path, checksum.xattr, follow_symlinks=False)
     except OSError:
         return False
+    return hmac.compare_digest(stored, value or b"")
 
 
 def _bounce(size: int) -> memoryview:
@@ -541,27 +545,8 @@ def store_block(
     created in it.
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
-    try:
-        st = os.lstat(dest_path)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
-        if complete and not overwrite and _holds_value(dest_path, checksum):
-            return
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                os.rmdir(dest_path)
-            except OSError as e:
-                raise OSError(
-                    f"cannot store block at {dest_path}: a directory is in the "
-                    f"way and cannot be removed ({e})"
-                ) from None
-
-    tmp_path = dest_path + _get_tmp_suffix()
-
-    # Write block atomically. Cast to a flat byte view so the slice uses byte
-    # indices; the raw memoryview may be multi-dimensional with itemsize > 1.
+    # Cast to a flat byte view so the slice uses byte indices; the raw
+    # memoryview may be multi-dimensional with itemsize > 1.
     flat = buffer.cast("B")
     if runs is None:
         view_slice = flat[offset : offset + block_size]
@@ -573,8 +558,27 @@ def store_block(
             view_slice[pos : pos + length] = flat[start : start + length]
             pos += length
         view_slice[pos:] = bytes(block_size - pos)
-    chunks = [view_slice]
     value = checksum.compute(key, view_slice) if checksum is not None else None
+    try:
+        st = os.lstat(dest_path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
+        if complete and not overwrite and _holds_value(dest_path, checksum, value):
+            return
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(dest_path)
+            except OSError as e:
+                raise OSError(
+                    f"cannot store block at {dest_path}: a directory is in the "
+                    f"way and cannot be removed ({e})"
+                ) from None
+
+    # Write the block atomically: a temp file, renamed into place.
+    tmp_path = dest_path + _get_tmp_suffix()
+    chunks = [view_slice]
     if checksum is not None and checksum.xattr is None:
         trailer = checksum.trailer()
         trailer[:] = bytes(len(trailer))

@@ -79,11 +79,23 @@ Invariants:
       with no lock and no filesystem call; start-up indexing, admission,
       eviction (ahead), the journal and removals (and their paths) run on
       other threads; a hit costs the scheduler thread two appends.
+    - One scheduler-thread write skips the lock: take_evicted_keys() drops
+      the chunks whose files are gone from _removing, which the other
+      threads add to and read under the lock. It relies on the GIL: one
+      set.difference_update() of bytes per eviction runs no Python code,
+      so those threads see it whole, before or after (the deques it pops,
+      _unlinked and _evicted_keys, are safe for one popper). Either is
+      right: a chunk in _removing is not indexed nor written again until
+      dropped, so seen removing its store is skipped (a miss, stored again
+      later), and seen dropped it is a new chunk (its files are gone).
     - used counts every indexed file still on disk: a failed load forgets
       only files it removed or that hold no block (a file it could not read,
       EMFILE or EIO, stays counted and evictable); an evicted file that
       cannot be removed (other than already gone) is counted in
-      removal_errors and in the tier's rate-limited failure report.
+      removal_errors and in the tier's rate-limited failure report. A
+      store refused for want of room is the budget working, not the disk
+      failing: rejections have their own rate-limited warning (naming
+      max_bytes, with counts), and the keys the job did write are stored.
     - An evicted chunk's keys become misses in lookup()'s cached verdicts:
       all of them, or with keyed file names (which do not give the block
       hash back) those lookup() found for requests not finished yet (those
@@ -146,7 +158,8 @@ JOURNAL_BATCH = 16384
 SCAN_BATCH = 1024
 SCAN_PAUSE_S = 0.001
 # The budget's report (used bytes, evictions, rejections): at most one line
-# per interval, and only when something changed.
+# per interval, and only when something changed. Stores refused for want of
+# room: a warning at once, then at most one per interval, with the counts.
 REPORT_INTERVAL_S = 30.0
 # Evicting ahead: once the files and the stores in flight pass HIGH_WATER
 # percent of max_bytes, the budget thread evicts down to LOW_WATER percent
@@ -179,6 +192,13 @@ Evicted = list[tuple[bytes, int]]
 # What finish_job() needs of a job: the chunks it pinned, and for a store the
 # group bitmask of the files it adds, per chunk (None for a load).
 JobTicket = tuple[list[bytes], dict[bytes, int] | None]
+
+
+class BudgetRejection(OSError):
+    """A store job the budget refused keys of (no room: every indexed file
+    is in use by a transfer): the job fails, but the disk did not (reported
+    by the budget's rejection warning, not as a failed write), and the keys
+    it wrote are stored."""
 
 
 class Admission:
@@ -362,6 +382,13 @@ class FsTierBudget:
         self.removal_errors = 0  # evicted files that could not be removed
         self._reported = (0, 0, 0)
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
+        # rejections: (files, jobs) at the last warning, and when the next
+        # one is due (the first is at once)
+        self.rejected_jobs = 0
+        self._warned_rejections = (0, 0)
+        self._next_rejection_warning = 0.0
+        # the warning is called from the scheduler thread and I/O threads
+        self._rejection_warning = threading.Lock()
 
         # the start-up scan, eviction ahead and its removals, and the
         # journal's records run on this thread
@@ -425,8 +452,11 @@ class FsTierBudget:
         events.append((_STEP,))
         if len(events) > MAX_EVENTS or len(self._journal_q) > JOURNAL_BATCH:
             self._kick()
-        if time.monotonic() >= self._next_report:
+        now = time.monotonic()
+        if now >= self._next_report:
             self._report()
+        if now >= self._next_rejection_warning:
+            self._warn_rejections()
 
     def take_evicted_keys(self) -> list[list[OffloadKey]]:
         """The keys of the chunks evicted since the last call, one list per
@@ -462,6 +492,7 @@ class FsTierBudget:
         with self._lock:
             self._drain()
         self._report(force=True)
+        self._warn_rejections()
 
     # ---- I/O threads --------------------------------------------------------
 
@@ -482,6 +513,8 @@ class FsTierBudget:
                 self._kick()  # evict ahead, off the write path
             result = job.result
             assert result is not None  # _drain(job) admits the job
+            if result[0] and time.monotonic() >= self._next_rejection_warning:
+                self._warn_rejections()
         return result
 
     def remove_evicted(self, evicted: Evicted) -> None:
@@ -747,6 +780,7 @@ class FsTierBudget:
                     rejected[h] = new.pop(h)
                     nfiles -= n
             self.rejected_files += sum(b.bit_count() for b in rejected.values())
+            self.rejected_jobs += 1
         created: list[bytes] = []
         for h, bits in new.items():
             state = chunks.get(h)
@@ -1063,7 +1097,9 @@ class FsTierBudget:
                     files += groups.bit_count()
                     parent = self._parent.get(h)
                     self._remove_chunk(h, state)
-                    state = chunks.get(parent, PINS) if parent is not None else PINS
+                    if parent is None:
+                        continue
+                    state = chunks.get(parent, PINS)
                     if not state & (PINS | CHILDREN | self._prefix_bits << GROUPS):
                         removing.add(parent)
                         heads.append(parent)
@@ -1108,6 +1144,37 @@ class FsTierBudget:
             self.rejected_files,
         )
         self._reported = now
+
+    def _warn_rejections(self) -> None:
+        """Stores refused since the previous warning, if any (at most one
+        line per REPORT_INTERVAL_S; read without the budget's lock: counters;
+        one thread at a time, so that two threads never say the same)."""
+        if not self._rejection_warning.acquire(blocking=False):
+            return  # another thread is saying it
+        try:
+            files, jobs = self.rejected_files, self.rejected_jobs
+            last_files, last_jobs = self._warned_rejections
+            if files == last_files:
+                return
+            self._warned_rejections = (files, jobs)
+            self._next_rejection_warning = time.monotonic() + REPORT_INTERVAL_S
+        finally:
+            self._rejection_warning.release()
+        logger.warning(
+            "%s: %d block file(s) of %d store job(s) not written since the "
+            "previous report (%d and %d since start): no room in "
+            "max_bytes=%d (%d bytes used, %d being removed) once every file "
+            "not in use by a transfer was evicted. The disk did not fail; "
+            "the keys are not offloaded. A larger max_bytes keeps them.",
+            self._label,
+            files - last_files,
+            jobs - last_jobs,
+            files,
+            jobs,
+            self.max_bytes,
+            self.used,
+            self.unlinking,
+        )
 
     # ---- budget thread: the start-up scan, eviction ahead, the journal ---
 

@@ -50,6 +50,11 @@ _TMP_NAME_RE = re.compile(
 )
 
 
+def has_compiled_io() -> bool:
+    """Whether blocks are read and written by the fs_io_C extension."""
+    return _HAS_FSIO_C
+
+
 def _get_tmp_suffix() -> str:
     """Generate a thread-local unique suffix for temporary files."""
     try:
@@ -103,8 +108,40 @@ MAC_XATTR = "user.vllm.kv_mac"
 
 
 class BlockIntegrityError(OSError):
-    """A block file whose MAC does not match: damaged, planted or another
-    key's. Counted apart in the tier's failure report."""
+    """A block file whose MAC (or CRC32C) does not match: damaged, planted
+    or another key's. Counted apart in the tier's failure report."""
+
+
+# The extended attribute that holds a block file's CRC32C (the tier's
+# checksum_blocks option; upstream #57912's name), 4 bytes little-endian, set
+# on the temp file before the rename like MAC_XATTR. Unkeyed: it detects
+# damage (bit rot, a torn copy), not a file planted with its own CRC32C; that
+# is key_file's job.
+CRC_XATTR = "user.vllm.kv_crc32c"
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data: memoryview) -> bytes:
+    """The CRC32C (Castagnoli, as iSCSI and ext4) of *data*, as CRC_XATTR
+    holds it. Byte by byte: the Python fallback's, under 10 MB/s; the
+    compiled path computes it in C (the tier warns at start without it)."""
+    table = _CRC32C_TABLE
+    crc = 0xFFFFFFFF
+    for byte in data.cast("B"):
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return (crc ^ 0xFFFFFFFF).to_bytes(4, "little")
 
 
 class BlockMac:
@@ -173,16 +210,35 @@ def _read_mac(fd: int) -> bytes:
         return b""
 
 
-def _holds_mac(path: str, mac: bytes) -> bool:
-    """Whether the file at *path* has *mac* as its MAC_XATTR."""
+def _holds_mac(path: str, mac: bytes, name: str = MAC_XATTR) -> bool:
+    """Whether the file at *path* has *mac* as its attribute *name*."""
     try:
-        stored = os.getxattr(path, MAC_XATTR, follow_symlinks=False)
+        stored = os.getxattr(path, name, follow_symlinks=False)
     except OSError:
         return False
     return hmac.compare_digest(stored, mac)
 
 
-def _remove_if_same_file(path: str, read: FileMac) -> None:
+def _check_crc(path: str, fd: int, data: memoryview, st: os.stat_result) -> None:
+    """Raise BlockIntegrityError unless *data* (just read from *fd*) matches
+    the CRC_XATTR of that open file; a file without one fails too. The file
+    is then removed if *path* still is that file (see BlockMac.check)."""
+    try:
+        stored = os.getxattr(fd, CRC_XATTR)
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.ERANGE):
+            raise  # the file is left, and the block fails with this error
+        stored = b""
+    if stored != crc32c(data):
+        _remove_if_same_file(path, st)
+        raise BlockIntegrityError(
+            errno.EBADMSG,
+            "does not hold the block stored (CRC32C mismatch, or none recorded)",
+            path,
+        )
+
+
+def _remove_if_same_file(path: str, read: FileMac | os.stat_result) -> None:
     try:
         st = os.lstat(path)
     except OSError:
@@ -192,8 +248,9 @@ def _remove_if_same_file(path: str, read: FileMac) -> None:
 
 
 def probe_xattr(directory: str) -> None:
-    """Raise OSError unless a file in *directory* can hold MAC_XATTR (some
-    filesystems have no user extended attributes: older tmpfs, some NFS)."""
+    """Raise OSError unless a file in *directory* can hold a user extended
+    attribute, MAC_XATTR or CRC_XATTR (some filesystems have none: older
+    tmpfs, some NFS)."""
     path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_NOFOLLOW, 0o600)
     try:
@@ -393,17 +450,27 @@ def _store_block(
     use_o_direct: bool = True,
     modes: FileModes = PRIVATE_MODES,
     mac: bytes | None = None,
+    checksum: bool = False,
 ) -> None:
     """Store callback: write to a temp file then atomically replace the target.
     Files and directories are created with *modes*; a *mac* is set as the
-    file's MAC_XATTR before the rename."""
+    file's MAC_XATTR before the rename, with *checksum* the block's CRC32C
+    as its CRC_XATTR."""
+    view_slice = buffer.cast("B")[offset : offset + block_size]
+    crc = crc32c(view_slice) if checksum else None
+
+    def is_stored() -> bool:
+        return (
+            _is_complete_block(dest_path, block_size)
+            and (mac is None or _holds_mac(dest_path, mac))
+            and (crc is None or _holds_mac(dest_path, crc, CRC_XATTR))
+        )
+
     # Skip the write if the block is already stored, but only if what is at
-    # the path is a complete block (with a *mac*: holding it, else a planted
-    # file, or one restored without its xattrs, would be kept as this key's
-    # block): anything else is replaced below.
-    if _is_complete_block(dest_path, block_size) and (
-        mac is None or _holds_mac(dest_path, mac)
-    ):
+    # the path is a complete block (with a *mac* or *checksum*: holding it,
+    # else a planted or damaged file, or one restored without its xattrs,
+    # would be kept as this key's block): anything else is replaced below.
+    if is_stored():
         return
 
     tmp_path = dest_path + _get_tmp_suffix()
@@ -414,9 +481,9 @@ def _store_block(
     if os.path.isdir(dest_path) and not os.path.islink(dest_path):
         os.rmdir(dest_path)
 
-    # Write block atomically. Cast to a flat byte view so the slice uses byte
-    # indices; the raw memoryview may be multi-dimensional with itemsize > 1.
-    view_slice = buffer.cast("B")[offset : offset + block_size]
+    # Write block atomically (view_slice: a flat byte view, so the slice uses
+    # byte indices; the raw memoryview may be multi-dimensional with itemsize
+    # > 1).
     o_direct = O_DIRECT if use_o_direct else 0
     try:
         fd = os.open(
@@ -433,6 +500,8 @@ def _store_block(
                 )
             if mac is not None:
                 os.setxattr(fd, MAC_XATTR, mac)
+            if crc is not None:
+                os.setxattr(fd, CRC_XATTR, crc)
         finally:
             os.close(fd)
         try:
@@ -441,13 +510,11 @@ def _store_block(
             # Another writer published this block after the check above; some
             # shared filesystems fail the rename with EEXIST instead of
             # replacing. A file name stands for one block, so a complete file
-            # already in place (holding this *mac*, if keyed) holds this block
-            # and the store is done.
+            # already in place (holding this *mac*, if keyed, and this *crc*)
+            # holds this block and the store is done.
             with contextlib.suppress(OSError):
                 os.remove(tmp_path)
-            if not _is_complete_block(dest_path, block_size) or (
-                mac is not None and not _holds_mac(dest_path, mac)
-            ):
+            if not is_stored():
                 raise
     except Exception:
         try:
@@ -472,6 +539,7 @@ def _load_block(
     block_size: int,
     use_o_direct: bool = True,
     read_mac: bool = False,
+    checksum: bool = False,
 ) -> FileMac | None:
     """Read one KV block from disk; remove the file only if it provably holds
     no block (a regular file whose size is not block_size, or a short read:
@@ -479,7 +547,8 @@ def _load_block(
     corruption) and leave it untouched on any other error. A file of the wrong
     size, or one that is not a regular file, is rejected before anything is
     read into the view. With *read_mac*, return the file's MAC attribute,
-    read from the same open file."""
+    read from the same open file; with *checksum*, check the bytes read
+    against the file's CRC32C (_check_crc)."""
     fd: int | None = None
     view_slice = view.cast("B")[offset : offset + block_size]
     o_direct = O_DIRECT if use_o_direct else 0
@@ -500,6 +569,8 @@ def _load_block(
         if bytes_read < block_size:
             _remove_corrupt_file(source_path)
             raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
+        if checksum:
+            _check_crc(source_path, fd, view_slice, st)
         if read_mac:
             return FileMac(_read_mac(fd), st.st_dev, st.st_ino)
         return None
@@ -517,14 +588,16 @@ def batch_store_block(
     modes: FileModes = PRIVATE_MODES,
     mac: BlockMac | None = None,
     keys: Sequence[bytes] = (),
+    checksum: bool = False,
 ) -> None:
     """Store a batch of KV blocks from a shared buffer to disk in one call.
 
     Each block buffer[offsets[i] : offsets[i]+block_size] is written atomically
     to dest_paths[i] via a temp-file rename, created with *modes*; with a
     *mac*, the MAC of keys[i] and the block is set on the temp file before
-    the rename. A failed block does not stop the batch; if any failed, the
-    first error is raised once the batch is done.
+    the rename, with *checksum* the block's CRC32C. A failed block does not
+    stop the batch; if any failed, the first error is raised once the batch is
+    done.
     """
     _validate_offsets(view, offsets, block_size)
     view_B = view.cast("B")
@@ -537,7 +610,7 @@ def batch_store_block(
     if _HAS_FSIO_C:
         view_slices = [view_B[x : x + block_size] for x in offsets]
         tmp_paths = [p + _get_tmp_suffix() for p in paths]
-        if macs is None:
+        if macs is None and not checksum:
             return batch_store_block_C(
                 tmp_paths, paths, view_slices, use_o_direct, modes.file, modes.dir
             )
@@ -548,8 +621,9 @@ def batch_store_block(
             use_o_direct,
             modes.file,
             modes.dir,
-            MAC_XATTR,
-            macs,
+            None if macs is None else MAC_XATTR,
+            [] if macs is None else macs,
+            checksum,
         )
     else:
         first_exc: OSError | None = None
@@ -563,6 +637,7 @@ def batch_store_block(
                     use_o_direct,
                     modes,
                     None if macs is None else macs[i],
+                    checksum,
                 )
             except OSError as exc:
                 if first_exc is None:
@@ -579,6 +654,7 @@ def batch_load_block(
     use_o_direct: bool = True,
     mac: BlockMac | None = None,
     keys: Sequence[bytes] = (),
+    checksum: bool = False,
 ) -> None:
     """Load a batch of KV blocks from disk into a shared buffer in one call.
 
@@ -587,18 +663,23 @@ def batch_load_block(
     delete-on-short-read policy): the other blocks are still loaded. With a
     *mac*, each block read is then checked against the MAC attribute read
     from the same open file, for keys[i] (BlockMac.check): a mismatch fails
-    the block. If any block
+    the block; with *checksum*, each block read is checked against its
+    file's CRC32C (a mismatch, or none recorded, fails the block and removes
+    the file). If any block
     failed, the first error is raised once the batch is done, carrying
     ``failed_indices``, the indices of all failed blocks in ascending order, so
     the tier can keep every block that loaded, and ``integrity_failed``, the
-    indices of those that failed their MAC.
+    indices of those that failed their MAC or CRC32C.
     """
     if mac is None:
-        _batch_load_block(paths, view, offsets, block_size, use_o_direct)
+        _batch_load_block(
+            paths, view, offsets, block_size, use_o_direct, checksum=checksum
+        )
         return
+    integrity_failed: list[int] = []
     try:
         reads = _batch_load_block(
-            paths, view, offsets, block_size, use_o_direct, MAC_XATTR
+            paths, view, offsets, block_size, use_o_direct, MAC_XATTR, checksum
         )
         failed: list[int] = []
         first_exc: OSError | None = None
@@ -607,11 +688,11 @@ def batch_load_block(
         reads = getattr(exc, "xattr_reads", None)
         if failed is None or reads is None:
             raise
+        integrity_failed.extend(getattr(exc, "integrity_failed", ()))
         first_exc = exc
     assert reads is not None  # with an xattr name, a list
     view_B = view.cast("B")
     skip = set(failed)
-    integrity_failed: list[int] = []
     for i, (path, offset) in enumerate(zip(paths, offsets)):
         if i in skip:
             continue
@@ -627,7 +708,7 @@ def batch_load_block(
                 first_exc = exc
     if first_exc is not None:
         first_exc.failed_indices = sorted(failed)  # type: ignore[attr-defined]
-        first_exc.integrity_failed = integrity_failed  # type: ignore[attr-defined]
+        first_exc.integrity_failed = sorted(integrity_failed)  # type: ignore[attr-defined]
         raise first_exc
 
 
@@ -638,30 +719,44 @@ def _batch_load_block(
     block_size: int,
     use_o_direct: bool,
     xattr_name: str | None = None,
+    checksum: bool = False,
 ) -> list[FileMac | None] | None:
     """batch_load_block's reads, on the compiled path where there is one.
     With *xattr_name* (MAC_XATTR), return each block's FileMac (None where
-    the block failed; on failure, as the error's ``xattr_reads``)."""
+    the block failed; on failure, as the error's ``xattr_reads``). With
+    *checksum*, the blocks that failed their CRC32C are the error's
+    ``integrity_failed``."""
     _validate_offsets(view, offsets, block_size)
 
     if _HAS_FSIO_C:
         view_B = view.cast("B")
         view_slices = [view_B[x : x + block_size] for x in offsets]
-        if xattr_name is None:
+        if xattr_name is None and not checksum:
             return batch_load_block_C(paths, view_slices, use_o_direct)
         try:
-            found = batch_load_block_C(paths, view_slices, use_o_direct, xattr_name)
+            found = batch_load_block_C(
+                paths, view_slices, use_o_direct, xattr_name, checksum
+            )
         except OSError as exc:
             found = getattr(exc, "xattr_reads", None)
             if found is not None:
                 exc.xattr_reads = [  # type: ignore[attr-defined]
                     None if r is None else FileMac(*r) for r in found
                 ]
+            integrity_failed = getattr(exc, "integrity_failed", ())
+            if exc.errno == errno.EBADMSG and exc.filename in (
+                paths[i] for i in integrity_failed
+            ):
+                # the first failure is a CRC32C's: say so, as the Python path
+                raise _crc_error(exc) from None
             raise
+        if xattr_name is None:
+            return None
         return [FileMac(*r) for r in found]
     else:
         first_exc: OSError | None = None
         failed_indices: list[int] = []
+        integrity_failed_py: list[int] = []
         reads: list[FileMac | None] = []
         for i, (path, offset) in enumerate(zip(paths, offsets)):
             try:
@@ -673,17 +768,36 @@ def _batch_load_block(
                         block_size,
                         use_o_direct,
                         read_mac=xattr_name is not None,
+                        checksum=checksum,
                     )
                 )
             except OSError as exc:
                 reads.append(None)
                 failed_indices.append(i)
+                if isinstance(exc, BlockIntegrityError):
+                    integrity_failed_py.append(i)
                 if first_exc is None:
                     first_exc = exc
         if first_exc is not None:
             # The C path sets the same attributes via PyObject_SetAttrString.
             first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
+            if checksum:
+                first_exc.integrity_failed = integrity_failed_py  # type: ignore[attr-defined]
             if xattr_name is not None:
                 first_exc.xattr_reads = reads  # type: ignore[attr-defined]
             raise first_exc
         return reads if xattr_name is not None else None
+
+
+def _crc_error(exc: OSError) -> BlockIntegrityError:
+    """The compiled path's EBADMSG of a block that failed its CRC32C, as the
+    Python path raises it, with *exc*'s attributes."""
+    error = BlockIntegrityError(
+        errno.EBADMSG,
+        "does not hold the block stored (CRC32C mismatch, or none recorded)",
+        exc.filename,
+    )
+    for name in ("failed_indices", "xattr_reads", "integrity_failed"):
+        if hasattr(exc, name):
+            setattr(error, name, getattr(exc, name))
+    return error

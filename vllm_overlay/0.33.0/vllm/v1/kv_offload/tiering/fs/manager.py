@@ -42,6 +42,18 @@ Keyed namespace (the tier config's "key_file", off by default):
     another key is another namespace. The root must support user extended
     attributes (checked at start).
 
+Checksums (the tier config's "checksum_blocks", off by default; upstream
+#57912's shape):
+    Each block file carries the CRC32C of its bytes in an extended attribute
+    (fs/io.py CRC_XATTR), set before the rename and checked after each load
+    (in C, with the GIL released, where fs_io_C is built): a block whose
+    bytes changed at the same size (bit rot, a torn copy) or that has no
+    CRC32C is a miss, its file removed, counted in the rate-limited failure
+    report and in vllm:kv_offload_tiering_checksum_failures. Off, no CRC or xattr
+    call is made. With key_file, the MAC already checks every block's bytes:
+    no CRC32C is stored. The root must support user extended attributes
+    (checked at start).
+
 Budget (the tier config's "max_bytes", unbounded by default):
     The tier's files never exceed max_bytes by more than one store job: a
     store evicts first, whole chunks (every group's file) of the least
@@ -97,6 +109,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.kv_offload.tiering.fs.budget import (
     Admission,
+    BudgetRejection,
     FsTierBudget,
     validate_max_bytes,
 )
@@ -106,6 +119,7 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     BlockMac,
     batch_load_block,
     batch_store_block,
+    has_compiled_io,
     holds_no_block,
     is_block_path,
     make_dirs,
@@ -137,6 +151,9 @@ BUDGET_USED_BYTES = "vllm:kv_offload_fs_budget_used_bytes"
 BUDGET_MAX_BYTES = "vllm:kv_offload_fs_budget_max_bytes"
 BUDGET_EVICTED_FILES = "vllm:kv_offload_fs_budget_evicted_files"
 BUDGET_REJECTED_FILES = "vllm:kv_offload_fs_budget_rejected_files"
+# checksum_blocks: blocks that failed their integrity check on load (#57912's
+# name, so that dashboards outlive this patch)
+CHECKSUM_FAILURES = "vllm:kv_offload_tiering_checksum_failures"
 
 
 class FsAsyncLookupManager(AsyncLookupManager):
@@ -198,6 +215,7 @@ class FileSystemTierManager(SecondaryTierManager):
         group_access: bool = False,
         key_file: str | None = None,
         max_bytes: int | None = None,
+        checksum_blocks: bool = False,
     ):
         """Args:
         offloading_spec: Contains normalized offloading configuration and
@@ -228,6 +246,10 @@ class FileSystemTierManager(SecondaryTierManager):
         max_bytes: the most bytes this tier's files may take on disk (at
             least one chunk of every KV cache group); None: no limit.
             Engines sharing root_dir each keep their own budget.
+        checksum_blocks: keep each block's CRC32C in an extended attribute
+            of its file and check it on load: a block whose bytes changed,
+            or that has none, is a miss (its file removed, counted). With
+            key_file, the MAC checks the bytes already: no CRC32C.
 
         """
         if cleanup_stale_tmp_after_seconds is not None and (
@@ -242,6 +264,11 @@ class FileSystemTierManager(SecondaryTierManager):
             raise ValueError(
                 f"group_access of the '{tier_type}' tier must be true or false, "
                 f"got {group_access!r}"
+            )
+        if not isinstance(checksum_blocks, bool):
+            raise ValueError(
+                f"checksum_blocks of the '{tier_type}' tier must be true or "
+                f"false, got {checksum_blocks!r}"
             )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
         # From here on the resolved root, the one checked: a symlink in the
@@ -323,6 +350,32 @@ class FileSystemTierManager(SecondaryTierManager):
         self._mac: BlockMac | None = None
         if tier_key is not None:
             self._mac = BlockMac(tier_key.mac_key, self.file_mapper.layout_id())
+        # the MAC checks every block's bytes already (and more: it cannot be
+        # forged), so with key_file no CRC32C is stored or checked
+        self._checksum = checksum_blocks and self._mac is None
+        # registered by build_metric_definitions() for checksum_blocks
+        self._checksum_metric = checksum_blocks
+        if checksum_blocks and not self._checksum:
+            logger.info(
+                "'%s' KV offload tier: checksum_blocks is covered by key_file "
+                "(each block's HMAC-SHA256 is checked on load); no CRC32C is "
+                "stored.",
+                tier_type,
+            )
+        elif self._checksum and not has_compiled_io():
+            logger.warning(
+                "'%s' KV offload tier: checksum_blocks without vLLM's compiled "
+                "fs_io_C extension computes each block's CRC32C in Python "
+                "(under 10 MB/s per I/O thread). Fix: build vLLM with it, or "
+                "set checksum_blocks to false.",
+                tier_type,
+            )
+        # blocks that failed their integrity check (checksum_blocks), reported
+        # by get_stats(); per failed load job, its count (same hand-off as
+        # _load_failures)
+        self._checksum_failures = 0
+        self._checksum_reported = 0
+        self._load_integrity: dict[JobId, int] = {}
 
         # Write config file
         config_path = self.file_mapper.get_config_file_path()
@@ -350,17 +403,22 @@ class FileSystemTierManager(SecondaryTierManager):
                 tier_type,
                 REPROBE_INTERVAL_S,
             )
-        if self._mac is not None:
+        if self._mac is not None or self._checksum:
+            setting, kept, off = (
+                ("key_file", "MAC", "remove key_file")
+                if self._mac is not None
+                else ("checksum_blocks", "CRC32C", "set checksum_blocks to false")
+            )
             try:
                 probe_xattr(self._o_direct_dir)
             except OSError as e:
                 raise ValueError(
-                    f"key_file of the '{tier_type}' tier needs user extended "
-                    f"attributes at root_dir {root_dir!r} (each block's MAC is "
-                    f"kept in one), but the filesystem refused one ({e.strerror})."
-                    " Fix: use a root_dir on a filesystem with user xattrs "
-                    "(ext4, xfs, btrfs, tmpfs on Linux >= 6.6, NFS 4.2), or "
-                    "remove key_file"
+                    f"{setting} of the '{tier_type}' tier needs user extended "
+                    f"attributes at root_dir {root_dir!r} (each block's {kept} "
+                    "is kept in one), but the filesystem refused one "
+                    f"({e.strerror}). Fix: use a root_dir on a filesystem with "
+                    "user xattrs (ext4, xfs, btrfs, tmpfs on Linux >= 6.6, NFS "
+                    f"4.2), or {off}"
                 ) from None
         if not self._use_o_direct and self._reprobe_at is None:
             logger.warning(
@@ -405,6 +463,9 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget_tickets: dict[JobId, Admission] = {}
         self._budget_written: dict[JobId, list[OffloadKey]] = {}
         self._budget_failed: dict[JobId, list[OffloadKey]] = {}
+        # store jobs failed only by the budget's refusal: their written keys
+        # are stored
+        self._budget_refused: set[JobId] = set()
         # per failed load job: the indices of its failed keys whose file is
         # gone or unloadable (a file a load failed to read, e.g. EMFILE or
         # EIO, is still there and still counted). Same hand-off as
@@ -632,7 +693,8 @@ class FileSystemTierManager(SecondaryTierManager):
         """A budgeted store task (on an I/O thread): its job's admission
         (reserving its bytes, evicting first; see FsTierBudget.admitted()),
         the evicted chunks' files removed, the admitted blocks written, then
-        the job failed if some did not fit (the failure report counts it)."""
+        the job failed if some did not fit (a BudgetRejection: reported by
+        the budget's rejection warning, and the written keys are stored)."""
         assert self._budget is not None
         rejected, unreachable, evicted = self._budget.admitted(admission)
         if rejected or unreachable:
@@ -661,6 +723,7 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._modes,
                     self._mac,
                     keys,
+                    self._checksum,
                 )
         except OSError:
             # the budget forgets the files that are not there
@@ -669,7 +732,9 @@ class FileSystemTierManager(SecondaryTierManager):
             ]
             raise
         if rejected:
-            raise OSError(
+            # what it wrote is stored (same hand-off as _budget_written)
+            self._budget_refused.add(job_id)
+            raise BudgetRejection(
                 errno.ENOSPC,
                 f"{len(rejected)} block(s) not stored: no room in "
                 f"max_bytes={self._max_bytes}, every indexed block file is in "
@@ -724,6 +789,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 self._modes,
                 self._mac,
                 keys,
+                self._checksum,
             )
         self._job_block_counts[job_id] = len(keys)
         store = functools.partial(self._store_and_keep_config, task)
@@ -756,6 +822,7 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._use_o_direct,
                     self._mac,
                     keys,
+                    self._checksum,
                 )
             except OSError as exc:
                 # Runs on the pool worker thread. Record which blocks failed so
@@ -769,6 +836,8 @@ class FileSystemTierManager(SecondaryTierManager):
                 # A planted file that failed its MAC and could not be removed
                 # (a read-only mount) is unloadable too.
                 integrity_failed = getattr(exc, "integrity_failed", ())
+                if integrity_failed:
+                    self._load_integrity[job_id] = len(integrity_failed)
                 failed = range(len(paths)) if failed_indices is None else failed_indices
                 unloadable = [
                     i
@@ -807,13 +876,15 @@ class FileSystemTierManager(SecondaryTierManager):
             # before the stores that evicted them are reported
             self._publish_evicted()
         for job_id, success, transfer_time in self._pool.get_finished():
+            # whether the keys the job wrote are stored
+            stored = success
             if self._budget is not None:
-                self._finish_budget_job(job_id, success)
+                stored = self._finish_budget_job(job_id, success)
             block_count = self._job_block_counts.pop(job_id, 0)
             transfer_bytes = block_count * self._block_size if block_count else None
             if self.events is not None:
                 keys = self._store_job_keys.pop(job_id, None)
-                if success and keys:
+                if stored and keys:
                     self.events.append(
                         OffloadingEvent(
                             keys=keys,
@@ -823,10 +894,11 @@ class FileSystemTierManager(SecondaryTierManager):
                         )
                     )
             unloadable = self._store_job_unloadable.pop(job_id, None)
-            if success and unloadable:
+            if stored and unloadable:
                 self._unloadable.difference_update(unloadable)
             load_keys = self._load_job_keys.pop(job_id, None)
             failed_indices = self._load_failures.pop(job_id, None)
+            self._checksum_failures += self._load_integrity.pop(job_id, 0)
             for i in self._load_unloadable.pop(job_id, ()):
                 assert load_keys is not None
                 self._unloadable.add(load_keys[i])
@@ -864,11 +936,17 @@ class FileSystemTierManager(SecondaryTierManager):
             )
         return results
 
-    def _finish_budget_job(self, job_id: JobId, success: bool) -> None:
+    def _finish_budget_job(self, job_id: JobId, success: bool) -> bool:
         """Unpin the job's chunks; forget the files a failed job left
         missing or unloadable (a failed load removed a bad file; a file it
-        failed to read is still there and still counted)."""
+        failed to read is still there and still counted). Returns whether
+        the keys the job wrote are stored: it succeeded, or failed only
+        because the budget refused its other keys."""
         assert self._budget is not None
+        stored = success
+        if job_id in self._budget_refused:
+            self._budget_refused.discard(job_id)
+            stored = True
         written = self._budget_written.pop(job_id, None)
         if written is not None and len(written) < self._job_block_counts[job_id]:
             # its admission dropped keys: report and count only those written
@@ -887,6 +965,7 @@ class FileSystemTierManager(SecondaryTierManager):
         if load_keys is not None and gone:
             failed = [load_keys[i] for i in gone]
         self._budget.finish_job(self._budget_tickets.pop(job_id), failed)
+        return stored
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -917,9 +996,18 @@ class FileSystemTierManager(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
+        metrics: dict[str, OffloadingMetricMetadata] = {}
+        if extra_config.get("checksum_blocks"):
+            metrics[CHECKSUM_FAILURES] = OffloadingCounterMetadata(
+                documentation="Blocks the fs tier did not load because they "
+                "failed their integrity check (checksum_blocks: a CRC32C "
+                "mismatch or none recorded; with key_file, a MAC mismatch); "
+                "their files are removed.",
+                labelnames=("tier_type",),
+            )
         if extra_config.get("max_bytes") is None:
-            return {}
-        return {
+            return metrics
+        return metrics | {
             BUDGET_USED_BYTES: OffloadingGaugeMetadata(
                 documentation="Bytes of the fs tier's files counted against "
                 "its max_bytes budget (including stores in flight).",
@@ -944,10 +1032,19 @@ class FileSystemTierManager(SecondaryTierManager):
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
         budget = self._budget
-        if budget is None:
+        if budget is None and not self._checksum_metric:
             return None
         stats = OffloadingConnectorStats()
         label = (self.tier_type,)
+        if self._checksum_metric:
+            stats.increase_counter(
+                CHECKSUM_FAILURES,
+                self._checksum_failures - self._checksum_reported,
+                label,
+            )
+            self._checksum_reported = self._checksum_failures
+        if budget is None:
+            return stats
         stats.set_gauge(BUDGET_USED_BYTES, budget.used + budget.unlinking, label)
         stats.set_gauge(BUDGET_MAX_BYTES, budget.max_bytes, label)
         evicted, rejected = budget.evicted_files, budget.rejected_files

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.base import JobId
+from vllm.v1.kv_offload.tiering.fs.budget import BudgetRejection
 
 logger = init_logger(__name__)
 
@@ -274,7 +275,9 @@ class DualQueueThreadPool:
             except Exception as exc:
                 transfer_time = time.monotonic() - start_time
                 logger.debug("Job %s block I/O failed: %s", state.job_id, exc)
-                self._failures.record(state.kind, exc)
+                if not isinstance(exc, BudgetRejection):
+                    # a refusal is reported by the budget, not as failed I/O
+                    self._failures.record(state.kind, exc)
                 job_finished, success, total_time = state.task_done(
                     False, transfer_time
                 )
