@@ -20,6 +20,7 @@ drives it (submit_store / submit_load / get_finished_jobs / lookup).
 """
 
 import errno
+import mmap
 import os
 import threading
 
@@ -133,15 +134,22 @@ def test_a_changed_block_or_one_without_a_crc_is_a_miss(tmp_path, caplog_vllm, i
         tier.shutdown()
 
 
+@pytest.mark.parametrize("row_pages", [1, 17])
 @pytest.mark.parametrize("stored_by", ["c_ext", "python"])
-def test_the_c_and_python_paths_agree_on_the_crc32c(tmp_path, monkeypatch, stored_by):
+def test_the_c_and_python_paths_agree_on_the_crc32c(
+    tmp_path, monkeypatch, stored_by, row_pages
+):
     """A block stored by one I/O path loads on the other (engines of one
     root may differ in whether fs_io_C is built), and a changed one fails on
-    the other too."""
+    the other too; at one page and at 17 (the C path's three interleaved
+    lanes, combined, and a tail)."""
     if not io_mod._HAS_FSIO_C:
         pytest.skip("fs_io_C extension not built")
-    kv = rows(4)
-    kv[0] = np.arange(kv.shape[1]) % 251
+    row_bytes = row_pages * mmap.PAGESIZE
+    kv = np.frombuffer(mmap.mmap(-1, 4 * row_bytes), dtype=np.uint8).reshape(
+        4, row_bytes
+    )
+    kv[0] = np.arange(row_bytes) % 251
     kv[1] = 7
     monkeypatch.setattr(io_mod, "_HAS_FSIO_C", stored_by == "c_ext")
     tier = make_tier(tmp_path / "kv", kv, checksum_blocks=True)
