@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -48,61 +47,20 @@ WARMUP_ROUNDS = 6  # not timed: the budget fills during the first BUDGET_ROUNDS
 SIDES = ("unbounded", "max_bytes")
 
 
-def spec():
-    """The attributes of an OffloadingSpec the fs tier reads: one full-attention KV cache
-    group of 16-token chunks (real OffloadingConfig, as the tier's tests build it)."""
-    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=0,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="bench-engine",
-        model=OffloadingModelConfig(name="bench-model", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        replicated_layout=False,
-    )
-    return SimpleNamespace(
-        config=config,
-        blocks_per_chunk=1,
-        kv_events_config=OffloadingKVEventsConfig(
-            enable_kv_cache_events=False, self_describing_kv_events=False
-        ),
-    )
-
-
 def one_process(rounds: int) -> dict:
     import numpy as np
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
+    from fakes import fake_spec_0330
+
     region = mmap.mmap(-1, ROWS * ROW)  # page-aligned rows, as the CPU tier's region
     rows = memoryview(region).cast("B", (ROWS, ROW))
     root = tempfile.mkdtemp(prefix="budget-bench-033-")
     tiers = {
         side: FileSystemTierManager(
-            offloading_spec=spec(),
+            offloading_spec=fake_spec_0330("bench-model", num_groups=1),
             primary_kv_view=rows,
             tier_type="fs",
             root_dir=f"{root}/{side}",

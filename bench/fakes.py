@@ -48,19 +48,24 @@ def fake_spec(num_groups: int, manager=None, model: str = "bench/model") -> Simp
     )
 
 
-def fake_spec_0330(model: str = "bench/model"):
+def fake_spec_0330(model: str = "bench/model", num_groups: int = 0):
     """The spec the 0.33.0 track's fs tier reads (spec.config, blocks_per_chunk,
-    kv_events_config), one worker, no KV events: as its own tests build it."""
+    kv_events_config), one worker, no KV events: as its own tests build it, with
+    num_groups full-attention KV cache groups of BLOCK_SIZE-token chunks."""
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
+        OffloadingGroupConfig,
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
 
     config = OffloadingConfig(
-        groups=(),
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block=BLOCK_SIZE, layer_names=(f"l{g}",), group_id=g)
+            for g in range(num_groups)
+        ),
         worker_kv_bytes_per_block=0,
         enable_kv_cache_events=False,
         extra_config={},
