@@ -32,7 +32,7 @@ import shutil
 import time
 from types import SimpleNamespace
 
-from common import QUICK, TMP, run_main, say, vllm_fingerprint
+from common import QUICK, TMP, run_main, run_tasks, say, vllm_fingerprint
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -285,9 +285,6 @@ def removal_floor(root: str, rounds: int, files: int) -> dict:
     many older files (as tasks of the same threads, as the budget's removals run), keeping
     4 * files; rounds interleaved. A budget at its limit removes a file for every file it
     writes: its store throughput over the unbounded tier's cannot beat this ratio."""
-    import hashlib
-    from concurrent.futures import ThreadPoolExecutor
-
     row = mmap.mmap(-1, STORE_ROW)
     row.write(b"\7" * STORE_ROW)
     view = memoryview(row)
@@ -318,7 +315,7 @@ def removal_floor(root: str, rounds: int, files: int) -> dict:
         else:
             write(path(side, i))
 
-    def run(pool, side: str) -> float:
+    def run(side: str) -> float:
         first = nxt[side]
         nxt[side] += files
         tasks = []
@@ -326,18 +323,15 @@ def removal_floor(root: str, rounds: int, files: int) -> dict:
             tasks.append(i)
             if side == "removing" and i >= keep:
                 tasks.append(-(i - keep) - 1)
-        t0 = time.perf_counter()
-        list(pool.map(lambda i: task(side, i), tasks))
-        return files / (time.perf_counter() - t0)
+        return files / run_tasks(len(tasks), lambda j: task(side, tasks[j]), 8)
 
     out: dict = {"plain": [], "removing": []}
-    with ThreadPoolExecutor(8) as pool:
-        for side in out:  # fill to keep
-            while nxt[side] < keep:
-                run(pool, side)
-        for r in range(rounds):
-            for side in ("plain", "removing") if r % 2 == 0 else ("removing", "plain"):
-                out[side].append(run(pool, side))
+    for side in out:  # fill to keep
+        while nxt[side] < keep:
+            run(side)
+    for r in range(rounds):
+        for side in ("plain", "removing") if r % 2 == 0 else ("removing", "plain"):
+            out[side].append(run(side))
     return out
 
 

@@ -1,10 +1,13 @@
 """Helpers shared by the benchmark scripts: paths, sizes, statistics, the run's context."""
 
+import itertools
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,3 +145,27 @@ def machine() -> dict:
         "python": platform.python_version(),
         "load_at_start": round(load, 2),
     }
+
+
+def run_tasks(n_tasks: int, task, n_threads: int) -> float:
+    """Run task(0 .. n_tasks - 1) on n_threads threads; the wall time in seconds."""
+    counter = itertools.count()
+    errors: list[Exception] = []
+
+    def worker() -> None:
+        try:
+            while (i := next(counter)) < n_tasks:
+                task(i)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return took

@@ -26,10 +26,18 @@ import logging
 import mmap
 import os
 import shutil
-import threading
 import time
 
-from common import QUICK, TMP, BenchError, fmt_bytes, run_main, say, vllm_fingerprint
+from common import (
+    QUICK,
+    TMP,
+    BenchError,
+    fmt_bytes,
+    run_main,
+    run_tasks,
+    say,
+    vllm_fingerprint,
+)
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -190,26 +198,7 @@ class Point:
                     fn(i)
         else:
             n_tasks, task = self.rows, fn
-        counter = itertools.count()
-        errors: list[Exception] = []
-
-        def worker() -> None:
-            try:
-                while (i := next(counter)) < n_tasks:
-                    task(i)
-            except Exception as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker) for _ in range(self.threads)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        took = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
-        return took
+        return run_tasks(n_tasks, task, self.threads)
 
     # -- raw one-file-per-chunk layout: a chunk's G rows in one file at page-aligned offsets
     def chunk_io(self, is_load: bool, by_group: bool = False) -> float:
@@ -328,30 +317,6 @@ class Point:
         self.tier.shutdown()
         self.view.release()
         self.flat.release()
-
-
-def run_tasks(n_tasks: int, task, n_threads: int) -> float:
-    """Run task(0 .. n_tasks - 1) on n_threads threads; the wall time in seconds."""
-    counter = itertools.count()
-    errors: list[Exception] = []
-
-    def worker() -> None:
-        try:
-            while (i := next(counter)) < n_tasks:
-                task(i)
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    took = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return took
 
 
 def measure(point: Point, sides: list[str], rounds: int) -> dict:
