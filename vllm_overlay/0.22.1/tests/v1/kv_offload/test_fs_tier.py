@@ -11,6 +11,7 @@ data integrity throughout the process.
 import errno
 import json
 import os
+import re
 import threading
 import time
 from unittest.mock import MagicMock
@@ -524,6 +525,81 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way):
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         np.testing.assert_array_equal(rows[1], rows[0])
+    finally:
+        tier.shutdown()
+
+
+def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
+    tmp_path, monkeypatch
+):
+    """The I/O threads store a block whose name is free and load it without
+    an lstat of its path or a readlink of its fd: openat2 refuses links in
+    the open, RENAME_NOREPLACE publishes only where nothing is. Each
+    syscall is a GIL hand-over among the threads; at 64 KiB blocks the two
+    cost a quarter of a store (bench/disk_bench.py)."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if None in (getattr(fs_io, "_openat2", 0), getattr(fs_io, "_renameat2", 0)):
+        pytest.skip("no openat2 or renameat2 here")
+    looked: list[tuple[str, str]] = []
+
+    def recording(name):
+        real = getattr(os, name)
+
+        def call(path, *args, **kwargs):
+            # the pool's I/O threads (not the start-up walk's thread)
+            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
+                looked.append((name, str(path)))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    rows = _aligned_rows(4)
+    rows[0] = 3
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        # the block's directory exists, as in a tier that has run a while
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.dirname(path))
+        for name in ("lstat", "stat", "readlink"):
+            monkeypatch.setattr(os, name, recording(name))
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 3).all()
+        assert looked == []
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("publish", ["RENAME_NOREPLACE", "look, then rename"])
+def test_a_complete_block_file_already_there_is_kept(tmp_path, monkeypatch, publish):
+    """A store whose block file is already complete (another engine on the
+    same root, or a store that raced a restart) keeps that file, and leaves
+    no temp file: with RENAME_NOREPLACE, and where the flag is unsupported."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if publish == "RENAME_NOREPLACE" and getattr(fs_io, "_renameat2", 0) is None:
+        pytest.skip("no renameat2 here")
+    if publish != "RENAME_NOREPLACE":
+        monkeypatch.setattr(fs_io, "_renameat2", None, raising=False)
+    rows = _aligned_rows(4)
+    rows[0] = 4
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        inode = os.stat(path).st_ino
+        rows[0] = 5  # a store of the same key must not replace the file
+        tier.submit_store(make_job(2, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert os.stat(path).st_ino == inode
+        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+        tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 4).all()
     finally:
         tier.shutdown()
 

@@ -348,7 +348,22 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
     assert "Fix: run the engine as that user, or use a root_dir owned by" in message
 
 
-def test_a_symlink_at_a_block_path_is_a_miss(tmp_path):
+@pytest.fixture(params=["openat2", "open, then /proc/self/fd"])
+def link_check(request, monkeypatch):
+    """Both ways the tier refuses a symbolic link in a block's path: openat2
+    with RESOLVE_NO_SYMLINKS, and, where the kernel or a seccomp filter
+    lacks it, an open with O_NOFOLLOW checked through /proc/self/fd."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if request.param == "openat2":
+        if getattr(fs_io, "_openat2", 0) is None:
+            pytest.skip("no openat2 here")
+    else:
+        monkeypatch.setattr(fs_io, "_openat2", None, raising=False)
+    return request.param
+
+
+def test_a_symlink_at_a_block_path_is_a_miss(tmp_path, link_check):
     """A symbolic link planted at a block's path (to a file of the right
     size) is a miss: lookup says so, a load fails without reading through
     it, and the link, not its target, is removed. Before: the target's
@@ -377,7 +392,7 @@ def test_a_symlink_at_a_block_path_is_a_miss(tmp_path):
         tier.shutdown()
 
 
-def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path):
+def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path, link_check):
     """A block's directory replaced by a symbolic link to another directory
     holding a file of the block's name and size: the load fails without
     serving it or removing it (it is not the tier's), the key is a miss from

@@ -55,6 +55,126 @@ def _check_opened_at(fd: int, path: str) -> None:
         )
 
 
+class _OpenHow(ctypes.Structure):
+    _fields_ = [
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    ]
+
+
+_AT_FDCWD = -100
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture
+_RESOLVE_NO_SYMLINKS = 0x04
+_RENAME_NOREPLACE = 1
+
+
+def _libc_calls() -> tuple[Callable | None, Callable | None]:
+    """openat2 (Linux 5.6+) and renameat2 (glibc 2.28+), or None where the
+    kernel, libc or a seccomp filter lacks them: each saves the I/O threads
+    a syscall per block (and the GIL hand-over that comes with it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall, renameat2 = libc.syscall, libc.renameat2
+    except (OSError, AttributeError):
+        return None, None
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [
+        ctypes.c_long,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    ]
+    renameat2.restype = ctypes.c_int
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+
+    def openat2(path: str, flags: int, mode: int) -> int:
+        how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_NO_SYMLINKS)
+        fd = syscall(
+            _SYS_OPENAT2,
+            _AT_FDCWD,
+            os.fsencode(path),
+            ctypes.addressof(how),
+            ctypes.sizeof(how),
+        )
+        if fd < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), path)
+        return fd
+
+    try:  # probed once: a seccomp filter may refuse what the kernel has
+        os.close(openat2("/", os.O_RDONLY | os.O_DIRECTORY, 0))
+    except OSError:
+        return None, renameat2
+    return openat2, renameat2
+
+
+_openat2, _renameat2 = _libc_calls()
+
+
+def _open_without_links(path: str, flags: int, mode: int = 0) -> int:
+    """Open *path* (absolute and free of symbolic links, as FileMapper
+    builds them from the resolved root) refusing a symbolic link at any of
+    its components: a link at the last one raises OSError, one at a
+    directory of the tree LinkInTreeError. One openat2 with
+    RESOLVE_NO_SYMLINKS; without openat2, an open with O_NOFOLLOW and
+    _check_opened_at()."""
+    if _openat2 is not None:
+        try:
+            return _openat2(path, flags, mode)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            if os.path.islink(path):
+                raise OSError(
+                    f"{path} is a symbolic link, not a block file: not read through"
+                ) from None
+            raise LinkInTreeError(
+                f"{path} leads through a symbolic link: not used"
+            ) from None
+    try:
+        fd = os.open(path, flags | O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise OSError(
+                f"{path} is a symbolic link, not a block file: not read through"
+            ) from None
+        raise
+    try:
+        _check_opened_at(fd, path)
+    except LinkInTreeError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _publish_if_absent(tmp_path: str, dest_path: str) -> bool:
+    """Rename *tmp_path* to *dest_path* unless something is there already
+    (renameat2's RENAME_NOREPLACE): whether it was renamed. False also
+    where the flag is unsupported (then the caller looks)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(
+        _AT_FDCWD,
+        os.fsencode(tmp_path),
+        _AT_FDCWD,
+        os.fsencode(dest_path),
+        _RENAME_NOREPLACE,
+    ):
+        code = ctypes.get_errno()
+        if code in (errno.EEXIST, errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            return False  # taken, or a file system without the flag
+        raise OSError(code, os.strerror(code), dest_path)
+    return True
+
+
 # Thread-local storage for unique temporary file suffixes
 _thread_local = threading.local()
 
@@ -521,8 +641,8 @@ def store_block(
     Store callback: Writes to a temp file then atomically replaces the destination.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
 
-    An existing block file is kept (no redundant write) only if it is a
-    regular file of exactly block_size bytes (plus the checksum's trailer, if
+    An existing block file is kept (the store's temp file removed) only if
+    it is a regular file of exactly block_size bytes (plus the checksum's trailer, if
     any) that has the extended attribute its checksum lives in, if any;
     anything else at dest_path (a short or long file, an empty directory) is
     replaced, and a store that cannot replace it (a non-empty directory)
@@ -541,8 +661,10 @@ def store_block(
     in a page-aligned buffer; without, the block_size bytes at *offset*.
 
     A store costs its syscalls (each also a GIL hand-over between the I/O
-    threads): the directory is looked at only when the temp file cannot be
-    created in it.
+    threads), so it takes no look before it writes: the directory is looked
+    at only when the temp file cannot be created in it, and dest_path only
+    when the temp file cannot be published there with RENAME_NOREPLACE
+    (the name is taken, or the flag is unsupported).
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
     # Cast to a flat byte view so the slice uses byte indices; the raw
@@ -559,22 +681,6 @@ def store_block(
             pos += length
         view_slice[pos:] = bytes(block_size - pos)
     value = checksum.compute(key, view_slice) if checksum is not None else None
-    try:
-        st = os.lstat(dest_path)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
-        if complete and not overwrite and _holds_value(dest_path, checksum, value):
-            return
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                os.rmdir(dest_path)
-            except OSError as e:
-                raise OSError(
-                    f"cannot store block at {dest_path}: a directory is in the "
-                    f"way and cannot be removed ({e})"
-                ) from None
 
     # Write the block atomically: a temp file, renamed into place.
     tmp_path = dest_path + _get_tmp_suffix()
@@ -587,12 +693,11 @@ def store_block(
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     try:
         try:
-            fd = os.open(tmp_path, flags, modes.file)
+            fd = _open_without_links(tmp_path, flags, modes.file)
         except FileNotFoundError:  # the block's directory is missing
             _ensure_dirs(dest_path, on_new_dir, modes)
-            fd = os.open(tmp_path, flags, modes.file)
+            fd = _open_without_links(tmp_path, flags, modes.file)
         try:
-            _check_opened_at(fd, tmp_path)
             if chmod:
                 os.fchmod(fd, modes.file)  # exact, whatever the umask
             written = os.writev(fd, chunks)
@@ -604,13 +709,48 @@ def store_block(
                 os.setxattr(fd, checksum.xattr, value)
         finally:
             os.close(fd)
-        os.replace(tmp_path, dest_path)
+        if overwrite or not _publish_if_absent(tmp_path, dest_path):
+            _replace(tmp_path, dest_path, file_size, overwrite, checksum, value)
     except Exception:
         try:
             os.remove(tmp_path)
+        except FileNotFoundError:
+            pass  # published, or kept the file already there
         except OSError as cleanup_exc:
             logger.warning("Failed to remove temp file %s: %s", tmp_path, cleanup_exc)
         raise
+
+
+def _replace(
+    tmp_path: str,
+    dest_path: str,
+    file_size: int,
+    overwrite: bool,
+    checksum: BlockChecksum | None,
+    value: bytes | None,
+) -> None:
+    """Publish *tmp_path* at *dest_path*, where something may be already:
+    a complete file that holds this block is kept (the temp file removed),
+    anything else replaced; an empty directory in the way is removed, a
+    store that cannot remove it fails."""
+    try:
+        st = os.lstat(dest_path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
+        if complete and not overwrite and _holds_value(dest_path, checksum, value):
+            os.remove(tmp_path)
+            return
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(dest_path)
+            except OSError as e:
+                raise OSError(
+                    f"cannot store block at {dest_path}: a directory is in the "
+                    f"way and cannot be removed ({e})"
+                ) from None
+    os.replace(tmp_path, dest_path)
 
 
 def load_block(
@@ -646,19 +786,9 @@ def load_block(
         chunks.append(checksum.trailer())
         file_size += checksum.trailer_size
     try:
-        try:
-            fd = os.open(
-                source_path,
-                os.O_RDONLY | O_NOFOLLOW | (O_DIRECT if direct_io else 0),
-            )
-        except OSError as e:
-            if e.errno == errno.ELOOP and os.path.islink(source_path):
-                raise OSError(
-                    f"{source_path} is a symbolic link, not a block file: "
-                    "not read through"
-                ) from None
-            raise
-        _check_opened_at(fd, source_path)
+        fd = _open_without_links(
+            source_path, os.O_RDONLY | (O_DIRECT if direct_io else 0)
+        )
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{source_path} is not a regular file")
