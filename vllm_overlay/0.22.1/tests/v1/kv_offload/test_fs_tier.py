@@ -497,10 +497,26 @@ def _finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
     return results
 
 
+@pytest.fixture(params=["RENAME_NOREPLACE", "look, then rename"])
+def publish(request, monkeypatch):
+    """Both ways a store publishes its temp file: renameat2 with
+    RENAME_NOREPLACE (it looks at the path only when the name is taken),
+    and, where the libc, kernel or file system lacks it, a look at the
+    path, then a rename."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if request.param == "RENAME_NOREPLACE":
+        if getattr(fs_io, "_renameat2", 0) is None:
+            pytest.skip("no renameat2 here")
+    else:
+        monkeypatch.setattr(fs_io, "_renameat2", None, raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize(
     "in_the_way", ["empty file", "short file", "long file", "empty directory"]
 )
-def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way):
+def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publish):
     """A store over a path that holds no complete block (an empty or short
     file left by a crash or a full disk, a longer file, an empty directory)
     writes the block instead of trusting that the path exists: a store never
@@ -535,8 +551,8 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
     """The I/O threads store a block whose name is free and load it without
     an lstat of its path or a readlink of its fd: openat2 refuses links in
     the open, RENAME_NOREPLACE publishes only where nothing is. Each
-    syscall is a GIL hand-over among the threads; at 64 KiB blocks the two
-    cost a quarter of a store (bench/disk_bench.py)."""
+    syscall is a GIL hand-over among the threads. A guard of how, not
+    what: the calls are recorded on the pool's threads, by their names."""
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
 
     if None in (getattr(fs_io, "_openat2", 0), getattr(fs_io, "_renameat2", 0)):
@@ -573,17 +589,10 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
         tier.shutdown()
 
 
-@pytest.mark.parametrize("publish", ["RENAME_NOREPLACE", "look, then rename"])
-def test_a_complete_block_file_already_there_is_kept(tmp_path, monkeypatch, publish):
+def test_a_complete_block_file_already_there_is_kept(tmp_path, publish):
     """A store whose block file is already complete (another engine on the
     same root, or a store that raced a restart) keeps that file, and leaves
     no temp file: with RENAME_NOREPLACE, and where the flag is unsupported."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if publish == "RENAME_NOREPLACE" and getattr(fs_io, "_renameat2", 0) is None:
-        pytest.skip("no renameat2 here")
-    if publish != "RENAME_NOREPLACE":
-        monkeypatch.setattr(fs_io, "_renameat2", None, raising=False)
     rows = _aligned_rows(4)
     rows[0] = 4
     tier = _make_tier(str(tmp_path), rows)
@@ -602,6 +611,116 @@ def test_a_complete_block_file_already_there_is_kept(tmp_path, monkeypatch, publ
         assert (rows[1] == 4).all()
     finally:
         tier.shutdown()
+
+
+def test_a_store_on_a_full_disk_keeps_the_block_already_there(
+    tmp_path, monkeypatch, publish
+):
+    """A store of a key whose complete block file is on disk already
+    succeeds when the disk is full (ENOSPC writing its temp file): the
+    block is there. A store of a new key fails, and leaves no temp file."""
+    rows = _aligned_rows(4)
+    rows[0] = 6
+    tier = _make_tier(str(tmp_path), rows)
+    real_writev = os.writev
+
+    def full_disk(fd, buffers):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        monkeypatch.setattr(os, "writev", full_disk)
+        tier.submit_store(make_job(2, [key(1), key(2)], [0, 0]))
+        (result,) = _finish(tier)
+        monkeypatch.setattr(os, "writev", real_writev)
+        assert not result.success
+        assert list(result.successful_keys) == [key(1)]
+        path = tier.file_mapper.get_file_name(key(2))
+        assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+        tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 6).all()
+    finally:
+        tier.shutdown()
+
+
+def test_a_file_system_without_rename_noreplace_is_remembered(tmp_path, monkeypatch):
+    """Where renameat2 fails with EINVAL (a file system without
+    RENAME_NOREPLACE: NFS, FUSE without rename2), the store looks, then
+    renames, and so do the later stores, without trying the flag again."""
+    import ctypes
+
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    calls = []
+
+    def unsupported(*args):
+        calls.append(args)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(fs_io, "_renameat2", unsupported)
+    rows = _aligned_rows(4)
+    rows[:2] = 8
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        tier.submit_store(make_job(2, [key(2)], [1]))
+        assert [r.success for r in _finish(tier, 2)] == [True, True]
+        assert len(calls) == 1
+        assert fs_io._renameat2 is None
+        tier.submit_load(make_job(3, [key(1), key(2)], [2, 3], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[2:] == 8).all()
+    finally:
+        tier.shutdown()
+
+
+def test_openat2_refused_after_the_probe_falls_back_for_good(tmp_path, monkeypatch):
+    """openat2 refused after the start-up probe (ENOSYS: a seccomp filter
+    installed later) falls back to open and the /proc/self/fd check, for
+    this store and the later ones: no block lost, none served wrong."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    calls = []
+
+    def refused(path, flags, mode):
+        calls.append(path)
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
+
+    monkeypatch.setattr(fs_io, "_openat2", refused)
+    rows = _aligned_rows(4)
+    rows[0] = 9
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 9).all()
+        assert len(calls) == 1
+        assert fs_io._openat2 is None
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("call", ["openat2", "renameat2"])
+def test_a_call_the_probe_finds_refused_is_not_used(monkeypatch, call):
+    """A call refused at the start-up probe (EPERM or ENOSYS from a seccomp
+    filter, an old kernel) is not used: the tier opens or publishes the
+    way it replaces."""
+    import ctypes
+
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    def refused(*args):
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(fs_io, "_libc_function", lambda *args: refused)
+    load = fs_io._load_openat2 if call == "openat2" else fs_io._load_renameat2
+    assert load() is None
 
 
 def test_store_fails_for_a_directory_it_cannot_replace(tmp_path):

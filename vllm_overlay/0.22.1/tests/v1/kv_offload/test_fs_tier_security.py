@@ -428,6 +428,38 @@ def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path, link_check):
         tier.shutdown()
 
 
+def test_a_link_behind_a_symlinked_directory_is_neither_read_nor_removed(
+    tmp_path, link_check
+):
+    """A block's directory replaced by a link to another directory in which
+    the block's name is itself a link: the load fails as through a linked
+    directory, and removes nothing there (not the link, not its target)."""
+    kv = rows(4)
+    tier = make_tier(tmp_path / "kv", kv)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert [r.success for r in finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        target = tmp_path / "target.bin"
+        target.write_bytes(bytes([9]) * os.path.getsize(path))
+        (elsewhere / os.path.basename(path)).symlink_to(target)
+        block_dir = os.path.dirname(path)
+        os.remove(path)
+        os.rmdir(block_dir)
+        os.symlink(elsewhere, block_dir)
+
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        (result,) = finish(tier)
+        assert not result.success
+        assert not (kv[1] == 9).all()
+        assert os.path.islink(elsewhere / os.path.basename(path))
+        assert target.read_bytes() == bytes([9]) * os.path.getsize(target)
+    finally:
+        tier.shutdown()
+
+
 # ---------------------------------------------------------------------------
 # (3) keyed namespace: names and a MAC derived from a key file
 # ---------------------------------------------------------------------------

@@ -8,8 +8,10 @@ import hmac
 import logging
 import mmap
 import os
+import platform
 import random
 import stat
+import sys
 import threading
 import time
 import zlib
@@ -64,36 +66,46 @@ class _OpenHow(ctypes.Structure):
 
 
 _AT_FDCWD = -100
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture
+# openat2's number in the syscall table that these architectures share
+# (alpha, ia64 and mips number it otherwise: they keep the /proc check)
+_SYS_OPENAT2 = 437
+_OPENAT2_MACHINES = ("x86_64", "aarch64", "ppc64le", "s390x", "riscv64")
 _RESOLVE_NO_SYMLINKS = 0x04
 _RENAME_NOREPLACE = 1
+# a name that does not exist: the probes expect ENOENT where a call works
+_PROBE_PATH = b"/.vllm-kv-offload-probe-that-does-not-exist"
 
 
-def _libc_calls() -> tuple[Callable | None, Callable | None]:
-    """openat2 (Linux 5.6+) and renameat2 (glibc 2.28+), or None where the
-    kernel, libc or a seccomp filter lacks them: each saves the I/O threads
-    a syscall per block (and the GIL hand-over that comes with it)."""
+def _libc_function(name: str, restype, argtypes: list) -> Callable | None:
+    if sys.platform != "linux":
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall, renameat2 = libc.syscall, libc.renameat2
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
-        return None, None
-    syscall.restype = ctypes.c_long
-    syscall.argtypes = [
+        return None
+    function.restype = restype
+    function.argtypes = argtypes
+    return function
+
+
+def _load_openat2() -> Callable[[str, int, int], int] | None:
+    """openat2 (Linux 5.6+) refusing symbolic links, or None where the
+    architecture, kernel or a seccomp filter lacks it (probed once)."""
+    if platform.machine() not in _OPENAT2_MACHINES:
+        return None
+    syscall = _libc_function(
+        "syscall",
         ctypes.c_long,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-    ]
-    renameat2.restype = ctypes.c_int
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
+        [
+            ctypes.c_long,
+            ctypes.c_long,
+            ctypes.c_char_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ],
+    )
+    if syscall is None:
+        return None
 
     def openat2(path: str, flags: int, mode: int) -> int:
         how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_NO_SYMLINKS)
@@ -109,48 +121,95 @@ def _libc_calls() -> tuple[Callable | None, Callable | None]:
             raise OSError(code, os.strerror(code), path)
         return fd
 
-    try:  # probed once: a seccomp filter may refuse what the kernel has
+    try:
         os.close(openat2("/", os.O_RDONLY | os.O_DIRECTORY, 0))
     except OSError:
-        return None, renameat2
-    return openat2, renameat2
+        return None
+    return openat2
 
 
-_openat2, _renameat2 = _libc_calls()
+def _load_renameat2() -> Callable | None:
+    """renameat2 (glibc 2.28+), or None where the libc, kernel or a seccomp
+    filter lacks it (probed once: renaming a name that does not exist)."""
+    renameat2 = _libc_function(
+        "renameat2",
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],
+    )
+    if renameat2 is None:
+        return None
+    failed = renameat2(
+        _AT_FDCWD, _PROBE_PATH, _AT_FDCWD, _PROBE_PATH + b"-2", _RENAME_NOREPLACE
+    )
+    if not failed or ctypes.get_errno() != errno.ENOENT:
+        return None
+    return renameat2
+
+
+# Each saves the I/O threads a syscall per block, and the GIL hand-over
+# that comes with it; None: the way they replace (see below) is used.
+_openat2 = _load_openat2()
+_renameat2 = _load_renameat2()
+
+
+def io_calls_in_use() -> str:
+    """How block files are opened and published in this process, for the
+    tier's start-up log line."""
+    opened = (
+        "openat2(RESOLVE_NO_SYMLINKS)"
+        if _openat2 is not None
+        else "open(O_NOFOLLOW) and a /proc/self/fd check"
+    )
+    published = (
+        "renameat2(RENAME_NOREPLACE)"
+        if _renameat2 is not None
+        else "a look at the path, then rename"
+    )
+    return f"opens block files with {opened}, publishes them with {published}"
+
+
+def _link_error(path: str) -> OSError:
+    """The error for a symbolic link met opening *path*: LinkInTreeError
+    where a directory of the path is one (the file is elsewhere: neither
+    read, written nor removed), else an OSError (a link at the block's own
+    path, removed as an unloadable block)."""
+    directory = os.path.dirname(path)
+    if os.path.realpath(directory) != directory:
+        return LinkInTreeError(f"{path} leads through a symbolic link: not used")
+    return OSError(f"{path} is a symbolic link, not a block file: not read through")
 
 
 def _open_without_links(path: str, flags: int, mode: int = 0) -> int:
     """Open *path* (absolute and free of symbolic links, as FileMapper
     builds them from the resolved root) refusing a symbolic link at any of
-    its components: a link at the last one raises OSError, one at a
-    directory of the tree LinkInTreeError. One openat2 with
-    RESOLVE_NO_SYMLINKS; without openat2, an open with O_NOFOLLOW and
-    _check_opened_at()."""
-    if _openat2 is not None:
+    its components (_link_error()). One openat2 with RESOLVE_NO_SYMLINKS;
+    without openat2, an open with O_NOFOLLOW and _check_opened_at()."""
+    global _openat2
+    openat2 = _openat2
+    if openat2 is not None:
         try:
-            return _openat2(path, flags, mode)
+            return openat2(path, flags, mode)
         except OSError as e:
-            if e.errno != errno.ELOOP:
+            if e.errno == errno.ELOOP:
+                raise _link_error(path) from None
+            if e.errno != errno.ENOSYS:
                 raise
-            if os.path.islink(path):
-                raise OSError(
-                    f"{path} is a symbolic link, not a block file: not read through"
-                ) from None
-            raise LinkInTreeError(
-                f"{path} leads through a symbolic link: not used"
-            ) from None
+            # refused since the probe (a seccomp filter installed later)
+            _openat2 = None
+            logger.warning("openat2 is refused: %s", io_calls_in_use())
     try:
         fd = os.open(path, flags | O_NOFOLLOW, mode)
     except OSError as e:
-        if e.errno == errno.ELOOP and os.path.islink(path):
-            raise OSError(
-                f"{path} is a symbolic link, not a block file: not read through"
-            ) from None
+        if e.errno == errno.ELOOP:
+            raise _link_error(path) from None
         raise
     try:
         _check_opened_at(fd, path)
     except LinkInTreeError:
         os.close(fd)
+        if flags & os.O_EXCL:  # created elsewhere by this open: removed
+            with contextlib.suppress(OSError):
+                os.remove(path)
         raise
     return fd
 
@@ -158,10 +217,12 @@ def _open_without_links(path: str, flags: int, mode: int = 0) -> int:
 def _publish_if_absent(tmp_path: str, dest_path: str) -> bool:
     """Rename *tmp_path* to *dest_path* unless something is there already
     (renameat2's RENAME_NOREPLACE): whether it was renamed. False also
-    where the flag is unsupported (then the caller looks)."""
-    if _renameat2 is None:
+    where the flag is unsupported: then the caller looks, for good."""
+    global _renameat2
+    renameat2 = _renameat2
+    if renameat2 is None:
         return False
-    if _renameat2(
+    if renameat2(
         _AT_FDCWD,
         os.fsencode(tmp_path),
         _AT_FDCWD,
@@ -169,8 +230,13 @@ def _publish_if_absent(tmp_path: str, dest_path: str) -> bool:
         _RENAME_NOREPLACE,
     ):
         code = ctypes.get_errno()
-        if code in (errno.EEXIST, errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            return False  # taken, or a file system without the flag
+        if code == errno.EEXIST:
+            return False
+        if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            # a file system without the flag (NFS, FUSE without rename2)
+            _renameat2 = None
+            logger.info("RENAME_NOREPLACE is unsupported: %s", io_calls_in_use())
+            return False
         raise OSError(code, os.strerror(code), dest_path)
     return True
 
@@ -691,12 +757,14 @@ def store_block(
         trailer[: checksum.digest_size] = value
         chunks.append(trailer)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
+    created = False
     try:
         try:
             fd = _open_without_links(tmp_path, flags, modes.file)
         except FileNotFoundError:  # the block's directory is missing
             _ensure_dirs(dest_path, on_new_dir, modes)
             fd = _open_without_links(tmp_path, flags, modes.file)
+        created = True
         try:
             if chmod:
                 os.fchmod(fd, modes.file)  # exact, whatever the umask
@@ -711,14 +779,40 @@ def store_block(
             os.close(fd)
         if overwrite or not _publish_if_absent(tmp_path, dest_path):
             _replace(tmp_path, dest_path, file_size, overwrite, checksum, value)
-    except Exception:
-        try:
-            os.remove(tmp_path)
-        except FileNotFoundError:
-            pass  # published, or kept the file already there
-        except OSError as cleanup_exc:
-            logger.warning("Failed to remove temp file %s: %s", tmp_path, cleanup_exc)
+    except Exception as e:
+        if created:
+            try:
+                os.remove(tmp_path)
+            except FileNotFoundError:
+                pass  # published, or removed for the file already there
+            except OSError as cleanup_exc:
+                logger.warning(
+                    "Failed to remove temp file %s: %s", tmp_path, cleanup_exc
+                )
+        if (
+            isinstance(e, OSError)
+            and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            and not overwrite
+            and _stored_already(dest_path, file_size, checksum, value)
+        ):
+            return  # the disk is full, but this block is on it already
         raise
+
+
+def _stored_already(
+    path: str, file_size: int, checksum: BlockChecksum | None, value: bytes | None
+) -> bool:
+    """Whether *path* is a complete block file that holds this block's
+    checksum or MAC, if any (_holds_value())."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == file_size
+        and _holds_value(path, checksum, value)
+    )
 
 
 def _replace(
@@ -733,23 +827,17 @@ def _replace(
     a complete file that holds this block is kept (the temp file removed),
     anything else replaced; an empty directory in the way is removed, a
     store that cannot remove it fails."""
-    try:
-        st = os.lstat(dest_path)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        complete = stat.S_ISREG(st.st_mode) and st.st_size == file_size
-        if complete and not overwrite and _holds_value(dest_path, checksum, value):
-            os.remove(tmp_path)
-            return
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                os.rmdir(dest_path)
-            except OSError as e:
-                raise OSError(
-                    f"cannot store block at {dest_path}: a directory is in the "
-                    f"way and cannot be removed ({e})"
-                ) from None
+    if not overwrite and _stored_already(dest_path, file_size, checksum, value):
+        os.remove(tmp_path)
+        return
+    if os.path.isdir(dest_path) and not os.path.islink(dest_path):
+        try:
+            os.rmdir(dest_path)
+        except OSError as e:
+            raise OSError(
+                f"cannot store block at {dest_path}: a directory is in the "
+                f"way and cannot be removed ({e})"
+            ) from None
     os.replace(tmp_path, dest_path)
 
 

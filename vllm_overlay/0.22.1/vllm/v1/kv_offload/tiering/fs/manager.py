@@ -117,6 +117,7 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     PRIVATE_MODES,
     BlockChecksum,
     BlockMac,
+    io_calls_in_use,
     load_block,
     make_dirs,
     probe_direct_io,
@@ -378,6 +379,7 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         if transient:
             reason = f"{reason}; probing again in {REPROBE_INTERVAL_S:.0f} s"
+        logger.info("fs_python tier at %s: %s", root_dir, io_calls_in_use())
         if self._direct_io:
             logger.info(
                 "fs_python tier at %s: using O_DIRECT I/O for %d-byte blocks",
