@@ -62,7 +62,10 @@ def main() -> int:
     us = 1e6 / n
     for side in sides:
         m = [statistics.median(x[i] for x in res[side]) * us for i in range(4)]
-        say(f"  {side:6s} store {m[0]:6.1f} us (CPU {m[2]:6.1f}) | load {m[1]:6.1f} us (CPU {m[3]:6.1f})")
+        say(
+            f"  {side:6s} store {m[0]:6.1f} us (CPU {m[2]:6.1f}) | "
+            f"load {m[1]:6.1f} us (CPU {m[3]:6.1f})"
+        )
     for side in ("before", "after"):
         for phase, i in (("store", 0), ("load", 1)):
             ratios = [res["raw"][k][i] / res[side][k][i] for k in range(args.rounds)]
