@@ -252,7 +252,7 @@ def probe_xattr(directory: str) -> None:
     attribute, MAC_XATTR or CRC_XATTR (some filesystems have none: older
     tmpfs, some NFS)."""
     path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_NOFOLLOW, 0o600)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW, 0o600)
     try:
         os.setxattr(fd, MAC_XATTR, bytes(32))
     finally:
