@@ -10,7 +10,7 @@ build/vllm, and real model sizes built from their public configs), vLLM's own gr
 - the slot: spec.cpu_page_size_per_worker, one row size for every group (patch 0002's
   block_size_factor, 0004's layout, 0005's page alignment): what the CPU tier allocates per
   block and, today, what the fs tier writes per key (a file of exactly the row, plus the
-  checksum's trailer when one is configured; the default "none" has none);
+  checksum's trailer where the root has no user xattrs; the default keeps it in an xattr);
 - used / allocated: CPU tier (one key = one row), fs tier today (file = row), and the
   alternatives: a file of the group's bytes rounded up to the page ("useful bytes", goal 5)
   and one file per chunk holding its groups' rows at page-aligned offsets (goal 3's layout,

@@ -64,6 +64,8 @@ def test_the_wheel_installs_and_imports_the_patched_tiering(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     code = ("import importlib.metadata as m, vllm.v1.kv_offload.tiering.spec as s;"
             "print(m.version('vllm')); print(s.__file__)")
+    if "csrc/fs_io.cpp" in series_files(_lib.CHECKOUT, pin["tag"]):
+        code = "import vllm.fs_io_C;" + code  # compiled into the wheel (make_wheel.NATIVE)
     out = subprocess.run([py, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     version, spec_file = out.stdout.split()[-2:]

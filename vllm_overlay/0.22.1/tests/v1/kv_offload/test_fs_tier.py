@@ -513,6 +513,229 @@ def publish(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["C", "Python"])
+def io_path(request, monkeypatch):
+    """Both ways the I/O threads store and load a block: fs_io_C
+    (csrc/fs_io.cpp, the GIL released once per block) where it is built,
+    and Python, which also takes every block C hands back."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if request.param == "C":
+        _require_c_path(fs_io)
+    else:
+        monkeypatch.setattr(fs_io, "fs_io_C", None)
+    return request.param
+
+
+def _require_c_path(fs_io) -> None:
+    if getattr(fs_io, "_openat2", None) is None:
+        pytest.skip("no openat2 here: fs_io_C is not used")
+    assert getattr(fs_io, "fs_io_C", None) is not None, (
+        "fs_io_C is not built: CMakeLists.txt's fs_io_C target compiles csrc/fs_io.cpp"
+    )
+
+
+def _python_io_only(monkeypatch) -> None:
+    """For a test that injects faults into Python's calls (os.writev, the
+    ctypes openat2 and renameat2): blocks take the Python path."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
+
+
+class _RecordingFsIoC:
+    """fs_io_C with each call's function and result recorded."""
+
+    def __init__(self, real) -> None:
+        self.HAVE_OPENAT2 = real.HAVE_OPENAT2
+        self.crc32c = real.crc32c
+        self.results: list[tuple[str, int]] = []
+        for name in ("store_new_block", "load_block"):
+            setattr(self, name, self._recording(name, getattr(real, name)))
+
+    def _recording(self, name, function):
+        def call(*args):
+            rc = function(*args)
+            self.results.append((name, rc))
+            return rc
+
+        return call
+
+
+@pytest.fixture
+def fs_io_c(monkeypatch) -> _RecordingFsIoC:
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    _require_c_path(fs_io)
+    recording = _RecordingFsIoC(fs_io.fs_io_C)
+    monkeypatch.setattr(fs_io, "fs_io_C", recording)
+    return recording
+
+
+def test_a_new_block_is_stored_and_loaded_in_c(tmp_path, monkeypatch, fs_io_c):
+    """A new block is stored, and loaded, by fs_io_C in one call each: no
+    write or read of Python's on the I/O threads (each of those is a GIL
+    hand-over among them). Its bytes arrive."""
+    written = []
+    for name in ("writev", "readv", "fstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(
+            os,
+            name,
+            lambda *args, real=real, name=name: written.append(name) or real(*args),
+        )
+    rows = _aligned_rows(4)
+    rows[0] = np.arange(rows.shape[1]) % 251
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.dirname(path))
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == rows[0]).all()
+        assert fs_io_c.results == [("store_new_block", 0), ("load_block", 0)]
+        assert written == []
+        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+    finally:
+        tier.shutdown()
+
+
+def test_c_hands_a_block_it_cannot_take_to_python(tmp_path, fs_io_c):
+    """fs_io_C takes only the common case. A store whose directory is
+    missing, or whose name is taken, and a load of a file that is not one
+    block (or a symbolic link) go on in Python, which decides as it always
+    has: the directory made, a complete file kept, the others failed and
+    removed."""
+    rows = _aligned_rows(4)
+    n = rows.shape[1]
+    rows[0] = 7
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        tier.submit_store(make_job(1, [key(1)], [0]))  # no directory yet
+        assert [r.success for r in _finish(tier)] == [True]
+        assert fs_io_c.results == [("store_new_block", -errno.ENOENT)]
+        fs_io_c.results.clear()
+        tier.submit_store(make_job(2, [key(1)], [0]))  # the name is taken
+        assert [r.success for r in _finish(tier)] == [True]
+        assert fs_io_c.results == [("store_new_block", 1)]
+        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+        fs_io_c.results.clear()
+        with open(path, "r+b") as f:
+            f.truncate(n - 1)
+        tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        assert fs_io_c.results == [("load_block", -errno.EINVAL)]
+        assert not os.path.lexists(path)
+
+        fs_io_c.results.clear()
+        target = tmp_path / "elsewhere.bin"
+        target.write_bytes(bytes(n))
+        os.symlink(target, path)
+        tier.submit_load(make_job(4, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        assert fs_io_c.results == [("load_block", -errno.ELOOP)]
+        assert target.read_bytes() == bytes(n)
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize(
+    "reason", ["checksum crc32", "checksum in a trailer", "no openat2"]
+)
+def test_c_is_not_used_where_python_must_decide(
+    tmp_path, monkeypatch, fs_io_c, reason, request
+):
+    """Blocks whose checksum (or MAC) C does not compute or keep - another
+    algorithm than crc32c, a trailer on a root without user xattrs - and
+    every block where openat2 is not in use (C opens files only with it)
+    are stored and loaded in Python."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    config = {}
+    if reason == "checksum crc32":
+        config["checksum"] = "crc32"
+    elif reason == "checksum in a trailer":
+        request.getfixturevalue("no_user_xattrs")
+    else:
+        monkeypatch.setattr(fs_io, "_openat2", None)
+    rows = _aligned_rows(4)
+    rows[0] = 2
+    tier = _make_tier(str(tmp_path), rows, **config)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == 2).all()
+        assert fs_io_c.results == []
+    finally:
+        tier.shutdown()
+
+
+def test_crc32c_is_the_castagnoli_crc_of_the_key_then_the_block():
+    """The checksum "crc32c" (fs_io_C.crc32c, also what its stores set and
+    its loads check): CRC-32C (Castagnoli, as iSCSI and ext4) of the key's
+    bytes followed by the block's, 8 bytes little-endian."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    _require_c_path(fs_io)
+    crc32c = fs_io.fs_io_C.crc32c
+    assert crc32c(b"", b"123456789") == (0xE3069283).to_bytes(8, "little")
+    block = np.random.default_rng(0).integers(0, 256, 65536 + 13, dtype=np.uint8)
+    assert crc32c(b"key", block) == crc32c(b"", b"key" + block.tobytes())
+    assert crc32c(b"key", block) != crc32c(b"kex", block)
+
+
+def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
+    """Without a 'checksum' setting a block file carries the crc32c of its
+    key and bytes in its xattr, set and checked by fs_io_C along with the
+    block's I/O; a file overwritten in place with as many bytes fails its
+    load in C (EBADMSG), and Python, reading it again, fails it as damaged
+    and removes it."""
+    rows = _aligned_rows(4)
+    rows[0] = np.arange(rows.shape[1]) % 253
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        assert tier._checksum.algorithm == "crc32c"
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        with open(path, "rb") as f:
+            stored = f.read()
+        assert os.getxattr(path, "user.vllm.kv_checksum") == fs_io_c.crc32c(
+            bytes(key(1)), stored
+        )
+        fs_io_c.results.clear()
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[1] == rows[0]).all()
+        assert fs_io_c.results == [("load_block", 0)]
+
+        with open(path, "r+b") as f:
+            f.write(bytes([stored[0] ^ 1]))
+        fs_io_c.results.clear()
+        tier.submit_load(make_job(3, [key(1)], [2], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        assert fs_io_c.results == [("load_block", -errno.EBADMSG)]
+        assert not os.path.exists(path)
+    finally:
+        tier.shutdown()
+
+
+def test_crc32c_without_fs_io_c_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    """checksum "crc32c" where the fs_io_C extension is not built fails at
+    start, naming the setting and what to set instead."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
+    with pytest.raises(ValueError, match="set the tier's 'checksum' to 'auto'"):
+        _make_tier(str(tmp_path), _aligned_rows(2), checksum="crc32c")
+
+
 @pytest.mark.parametrize(
     "in_the_way", ["empty file", "short file", "long file", "empty directory"]
 )
@@ -546,7 +769,7 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publi
 
 
 def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, io_path
 ):
     """The I/O threads store a block whose name is free and load it without
     an lstat of its path or a readlink of its fd: openat2 refuses links in
@@ -601,7 +824,8 @@ def test_a_complete_block_file_already_there_is_kept(tmp_path, publish):
         assert [r.success for r in _finish(tier)] == [True]
         path = tier.file_mapper.get_file_name(key(1))
         inode = os.stat(path).st_ino
-        rows[0] = 5  # a store of the same key must not replace the file
+        # the same block stored again (a second engine on the root): kept,
+        # its checksum (on by default) included
         tier.submit_store(make_job(2, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         assert os.stat(path).st_ino == inode
@@ -619,6 +843,7 @@ def test_a_store_on_a_full_disk_keeps_the_block_already_there(
     """A store of a key whose complete block file is on disk already
     succeeds when the disk is full (ENOSPC writing its temp file): the
     block is there. A store of a new key fails, and leaves no temp file."""
+    _python_io_only(monkeypatch)  # the full disk is Python's os.writev
     rows = _aligned_rows(4)
     rows[0] = 6
     tier = _make_tier(str(tmp_path), rows)
@@ -660,6 +885,7 @@ def test_a_file_system_without_rename_noreplace_is_remembered(tmp_path, monkeypa
         ctypes.set_errno(errno.EINVAL)
         return -1
 
+    _python_io_only(monkeypatch)  # C would call the real renameat2
     monkeypatch.setattr(fs_io, "_renameat2", unsupported)
     rows = _aligned_rows(4)
     rows[:2] = 8
@@ -689,6 +915,7 @@ def test_openat2_refused_after_the_probe_falls_back_for_good(tmp_path, monkeypat
         calls.append(path)
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
 
+    _python_io_only(monkeypatch)  # C would call the real openat2
     monkeypatch.setattr(fs_io, "_openat2", refused)
     rows = _aligned_rows(4)
     rows[0] = 9
@@ -804,6 +1031,8 @@ def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
 @pytest.mark.parametrize(
     "checksum",
     [
+        None,  # the default
+        "crc32c",
         "xxh3_64",
         "crc32",
         pytest.param(
@@ -843,7 +1072,8 @@ def test_load_fails_for_a_block_file_overwritten_in_place(
         request.getfixturevalue("no_user_xattrs")
     rows = _aligned_rows(6)
     n = rows.shape[1]
-    tier = _make_tier(str(tmp_path), rows, checksum=checksum)
+    config = {} if checksum is None else {"checksum": checksum}
+    tier = _make_tier(str(tmp_path), rows, **config)
     try:
         rng = np.random.default_rng(1)
         rows[:3] = rng.integers(1, 256, (3, n), dtype=np.uint8)
@@ -954,20 +1184,24 @@ def test_a_block_file_without_its_checksum_is_written_again(tmp_path, xattr):
         tier.shutdown()
 
 
-@pytest.mark.parametrize("has_xxhash", [True, False])
+@pytest.mark.parametrize("expected", ["crc32c", "xxh3_64", "crc32"])
 def test_checksum_auto_is_recorded_as_the_algorithm_it_chose(
-    tmp_path, monkeypatch, has_xxhash
+    tmp_path, monkeypatch, expected
 ):
-    """checksum "auto" is xxh3_64 where the xxhash package imports, else
-    crc32, and config.json records the algorithm chosen: an engine that
-    chose the other one uses other files, never misreads these."""
+    """checksum "auto" is crc32c where the fs_io_C extension is built, else
+    xxh3_64 where the xxhash package imports, else crc32, and config.json
+    records the algorithm chosen: an engine that chose another one uses
+    other files, never misreads these."""
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
 
-    if has_xxhash:
-        pytest.importorskip("xxhash")
+    if expected == "crc32c":
+        _require_c_path(fs_io)
     else:
+        monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
+    if expected == "xxh3_64":
+        pytest.importorskip("xxhash")
+    elif expected == "crc32":
         monkeypatch.setattr(fs_io, "xxhash", None)
-    expected = "xxh3_64" if has_xxhash else "crc32"
     rows = _aligned_rows(2)
     tier = _make_tier(str(tmp_path), rows, checksum="auto")
     try:
@@ -1031,15 +1265,21 @@ def test_xattr_and_trailer_files_never_mix(tmp_path, monkeypatch):
 def test_checksum_is_part_of_the_file_layout(tmp_path):
     """Files with a checksum live apart from files without one (or with
     another), so that no file is read in a format it was not written in;
-    without one (the default) the files stay where they were. An unknown
-    checksum is refused naming the setting."""
+    the default is "auto". An unknown checksum is refused naming the
+    setting."""
     rows = _aligned_rows(2)
     base_paths = {}
-    for config in ({}, {"checksum": "none"}, {"checksum": "crc32"}):
+    for config in (
+        {},
+        {"checksum": "auto"},
+        {"checksum": "none"},
+        {"checksum": "crc32"},
+    ):
         tier = _make_tier(str(tmp_path), rows, **config)
         tier.shutdown()
         base_paths[config.get("checksum", "default")] = tier.file_mapper.base_path
-    assert base_paths["default"] == base_paths["none"] != base_paths["crc32"]
+    assert base_paths["default"] == base_paths["auto"]
+    assert len({base_paths[c] for c in ("auto", "none", "crc32")}) == 3
     with pytest.raises(ValueError, match="set 'checksum' to one of"):
         _make_tier(str(tmp_path), rows, checksum="md5")
 

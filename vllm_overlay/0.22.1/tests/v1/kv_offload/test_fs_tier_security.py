@@ -482,7 +482,8 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
     (a public system prompt) and plant a block file of the right size there.
 
     Without a key (documents today's behaviour) the tier serves it as that
-    prefix's KV. With a key, the planted file at the computable name is
+    prefix's KV, checksum or not: anyone can compute an unkeyed checksum
+    and set it with the file. With a key, the planted file at the computable name is
     never looked at; and one planted at the keyed name (right size, and a
     valid unkeyed xxh3_64 checksum where the MAC is kept, as a tier with
     'checksum' writes it) fails the MAC on load: a miss, the file removed,
@@ -503,7 +504,8 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
         ).get_file_name(prefix)
         evil = bytes([0xEE]) * kv.shape[1]
         os.makedirs(os.path.dirname(unkeyed), exist_ok=True)
-        trailer = 0 if not keyed else tier._checksum.trailer_size
+        check = tier._checksum  # on by default; a MAC with the key
+        trailer = check.trailer_size if check is not None else 0
         with open(unkeyed, "wb") as f:
             f.write(evil + bytes(trailer))
         if keyed:
@@ -524,6 +526,14 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
                 os.setxattr(planted, mac.xattr, forged[: mac.digest_size])
         else:
             planted = unkeyed
+            if check is not None:
+                value = check.compute(bytes(prefix), memoryview(evil))
+                if check.xattr is not None:
+                    os.setxattr(planted, check.xattr, value)
+                else:
+                    with open(planted, "r+b") as f:
+                        f.seek(len(evil))
+                        f.write(value)
         assert tier.lookup(prefix, _CTX) is True
         with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
             tier.submit_load(job(1, [prefix], [0], load=True))

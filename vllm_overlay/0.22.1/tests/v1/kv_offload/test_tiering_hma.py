@@ -823,7 +823,11 @@ def test_worker_views_match_rows_secondary_tiers_copy(
 
 def _fail_io_on(monkeypatch, func_name: str, bad_suffixes: list[str]):
     """Make os.<func_name> fail with EIO for files whose name ends with one
-    of bad_suffixes (the fs tier's threads call it)."""
+    of bad_suffixes (the fs tier's threads call it, in Python: its C path,
+    where built, is not used)."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
     real = getattr(os, func_name)
 
     def failing(fd, *args, **kwargs):

@@ -25,6 +25,14 @@ try:
 except ImportError:  # optional: the crc32 checksum needs no package
     xxhash = None  # type: ignore[assignment]
 
+try:
+    # csrc/fs_io.cpp: a new block stored, or a block loaded, with the GIL
+    # released once instead of at each of its syscalls; where it is not
+    # built, every block takes the Python path.
+    from vllm import fs_io_C  # pyright: ignore[reportAttributeAccessIssue]
+except ImportError:
+    fs_io_C = None
+
 logger = logging.getLogger(__name__)
 
 # O_DIRECT is Linux-specific and not available on macOS
@@ -165,7 +173,22 @@ def io_calls_in_use() -> str:
         if _renameat2 is not None
         else "a look at the path, then rename"
     )
-    return f"opens block files with {opened}, publishes them with {published}"
+    in_c = ", in C where nothing is unusual" if _c_path_in_use() else ""
+    return f"opens block files with {opened}, publishes them with {published}{in_c}"
+
+
+# fs_io_C.store_new_block()'s results; a negative errno: nothing was left
+# behind, the Python path stores the block
+_C_PUBLISHED = 0
+# the temp file is complete, but the name is taken (or RENAME_NOREPLACE is
+# unsupported): _publish_if_absent() and _replace() decide, as in Python
+_C_UNPUBLISHED = 1
+
+
+def _c_path_in_use() -> bool:
+    """Whether fs_io_C stores and loads blocks: built, and opening files as
+    _open_without_links() does (openat2, while it is in use)."""
+    return fs_io_C is not None and fs_io_C.HAVE_OPENAT2 and _openat2 is not None
 
 
 def _link_error(path: str) -> OSError:
@@ -408,16 +431,20 @@ def scan_tier_files(
     return scan
 
 
-# "auto" is xxh3_64 where the xxhash package imports, else crc32: xxh3_64
-# takes about 1 us per 64 KiB block on one core, zlib's crc32 about 15
-# times as long. Resolved at start (resolve_checksum()); the file layout
-# records the algorithm used.
-CHECKSUMS = ("auto", "none", "xxh3_64", "crc32")
+# "auto" is crc32c where fs_io_C is built (computed in C with the block's
+# I/O, the GIL released: SSE4.2 where the CPU has it), else xxh3_64 where
+# the xxhash package imports, else crc32: xxh3_64 takes about 1 us per
+# 64 KiB block on one core, zlib's crc32 about 15 times as long, and both
+# keep the block on the Python path. Resolved at start
+# (resolve_checksum()); the file layout records the algorithm used.
+CHECKSUMS = ("auto", "none", "crc32c", "xxh3_64", "crc32")
 
 
 def resolve_checksum(name: str) -> str:
     """The algorithm the checksum setting *name* stands for."""
     if name == "auto":
+        if fs_io_C is not None:
+            return "crc32c"
         return "xxh3_64" if xxhash is not None else "crc32"
     return name
 
@@ -483,6 +510,15 @@ class BlockChecksum:
                 "package: install it (pip install xxhash) or set the tier's "
                 "'checksum' to 'auto', 'crc32' or 'none'"
             )
+        # bound now: the tier's algorithm is fixed at start
+        self._crc32c = fs_io_C.crc32c if fs_io_C is not None else None
+        if algorithm == "crc32c" and self._crc32c is None:
+            raise ValueError(
+                "the fs_python tier's checksum 'crc32c' is computed by the "
+                "fs_io_C extension, which this vLLM build lacks (built from "
+                "csrc/fs_io.cpp): set the tier's 'checksum' to 'auto', "
+                "'xxh3_64' or 'crc32'"
+            )
         self.algorithm = algorithm
         self.xattr = xattr
         self.trailer_size = _trailer_size(block_size, self.digest_size, xattr)
@@ -491,7 +527,15 @@ class BlockChecksum:
         """The fields that determine the file format, for FileMapper."""
         return _describe(self.algorithm, self.trailer_size, self.xattr)
 
+    @property
+    def in_c(self) -> bool:
+        """Whether fs_io_C checks it along with the block's I/O (crc32c in
+        an extended attribute)."""
+        return self.algorithm == "crc32c" and self.xattr is not None
+
     def compute(self, key: bytes, data: memoryview) -> bytes:
+        if self.algorithm == "crc32c":
+            return self._crc32c(key, data)
         if self.algorithm == "xxh3_64":
             value = xxhash.xxh3_64_intdigest(data, seed=xxhash.xxh3_64_intdigest(key))
         else:
@@ -580,6 +624,10 @@ class BlockMac(BlockChecksum):
         mac.update(len(key).to_bytes(2, "little") + key)
         mac.update(data)
         return mac.digest()
+
+    @property
+    def in_c(self) -> bool:
+        return False
 
     def mismatch(self) -> str:
         return f"{self.algorithm} MAC mismatch: not written with the tier's key"
@@ -733,50 +781,56 @@ def store_block(
     (the name is taken, or the flag is unsupported).
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
-    # Cast to a flat byte view so the slice uses byte indices; the raw
-    # memoryview may be multi-dimensional with itemsize > 1.
-    flat = buffer.cast("B")
-    if runs is None:
-        view_slice = flat[offset : offset + block_size]
-    else:
-        view_slice = _bounce(block_size)
-        pos = 0
-        for run_offset, length in runs:
-            start = offset + run_offset
-            view_slice[pos : pos + length] = flat[start : start + length]
-            pos += length
-        view_slice[pos:] = bytes(block_size - pos)
-    value = checksum.compute(key, view_slice) if checksum is not None else None
-
     # Write the block atomically: a temp file, renamed into place.
     tmp_path = dest_path + _get_tmp_suffix()
-    chunks = [view_slice]
-    if checksum is not None and checksum.xattr is None:
-        trailer = checksum.trailer()
-        trailer[:] = bytes(len(trailer))
-        trailer[: checksum.digest_size] = value
-        chunks.append(trailer)
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     created = False
+    if (
+        (checksum is None or checksum.in_c)
+        and not overwrite
+        and _renameat2 is not None
+        and _c_path_in_use()
+    ):
+        rc = fs_io_C.store_new_block(
+            tmp_path,
+            dest_path,
+            buffer,
+            offset,
+            block_size,
+            runs,
+            direct_io and O_DIRECT != 0,
+            modes.file,
+            chmod,
+            checksum.xattr if checksum is not None else None,
+            key,
+        )
+        if rc == _C_PUBLISHED:
+            return
+        created = rc == _C_UNPUBLISHED  # else the Python path from the start
+    value = None
+    if not created or checksum is not None:
+        # (after C: the value a file already there must hold to be kept)
+        chunks, value = _block_chunks(buffer, offset, block_size, key, checksum, runs)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     try:
-        try:
-            fd = _open_without_links(tmp_path, flags, modes.file)
-        except FileNotFoundError:  # the block's directory is missing
-            _ensure_dirs(dest_path, on_new_dir, modes)
-            fd = _open_without_links(tmp_path, flags, modes.file)
-        created = True
-        try:
-            if chmod:
-                os.fchmod(fd, modes.file)  # exact, whatever the umask
-            written = os.writev(fd, chunks)
-            if written < file_size:
-                raise OSError(
-                    f"Short write: expected {file_size} bytes, wrote {written}"
-                )
-            if checksum is not None and checksum.xattr is not None:
-                os.setxattr(fd, checksum.xattr, value)
-        finally:
-            os.close(fd)
+        if not created:
+            try:
+                fd = _open_without_links(tmp_path, flags, modes.file)
+            except FileNotFoundError:  # the block's directory is missing
+                _ensure_dirs(dest_path, on_new_dir, modes)
+                fd = _open_without_links(tmp_path, flags, modes.file)
+            created = True
+            try:
+                if chmod:
+                    os.fchmod(fd, modes.file)  # exact, whatever the umask
+                written = os.writev(fd, chunks)
+                if written < file_size:
+                    raise OSError(
+                        f"Short write: expected {file_size} bytes, wrote {written}"
+                    )
+                if checksum is not None and checksum.xattr is not None:
+                    os.setxattr(fd, checksum.xattr, value)
+            finally:
+                os.close(fd)
         if overwrite or not _publish_if_absent(tmp_path, dest_path):
             _replace(tmp_path, dest_path, file_size, overwrite, checksum, value)
     except Exception as e:
@@ -797,6 +851,39 @@ def store_block(
         ):
             return  # the disk is full, but this block is on it already
         raise
+
+
+def _block_chunks(
+    buffer: memoryview,
+    offset: int,
+    block_size: int,
+    key: bytes,
+    checksum: BlockChecksum | None,
+    runs: Sequence[tuple[int, int]] | None,
+) -> tuple[list[memoryview], bytes | None]:
+    """What store_block() writes in Python (the block's bytes, then the
+    checksum's trailer, if any), and its checksum or MAC value, if any."""
+    # Cast to a flat byte view so the slice uses byte indices; the raw
+    # memoryview may be multi-dimensional with itemsize > 1.
+    flat = buffer.cast("B")
+    if runs is None:
+        view_slice = flat[offset : offset + block_size]
+    else:
+        view_slice = _bounce(block_size)
+        pos = 0
+        for run_offset, length in runs:
+            start = offset + run_offset
+            view_slice[pos : pos + length] = flat[start : start + length]
+            pos += length
+        view_slice[pos:] = bytes(block_size - pos)
+    value = checksum.compute(key, view_slice) if checksum is not None else None
+    chunks = [view_slice]
+    if checksum is not None and checksum.xattr is None:
+        trailer = checksum.trailer()
+        trailer[:] = bytes(len(trailer))
+        trailer[: checksum.digest_size] = value
+        chunks.append(trailer)
+    return chunks, value
 
 
 def _stored_already(
@@ -862,6 +949,24 @@ def load_block(
     store_block()), the file's bytes go to those runs of the row, once
     checked; the row's other bytes are left as they are.
     """
+    if (
+        (checksum is None or checksum.in_c)
+        and _c_path_in_use()
+        and fs_io_C.load_block(
+            source_path,
+            view,
+            offset,
+            block_size,
+            runs,
+            direct_io and O_DIRECT != 0,
+            checksum.xattr if checksum is not None else None,
+            key,
+        )
+        == 0
+    ):
+        return
+    # in Python: the common case where fs_io_C is not in use, else a block
+    # it did not load (the load below says why, and removes the file)
     fd: int | None = None
     flat = view.cast("B")
     if runs is None:

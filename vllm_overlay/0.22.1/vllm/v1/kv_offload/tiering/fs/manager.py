@@ -29,11 +29,13 @@ Useful bytes only:
     Each group's file size is part of the layout (config.json), so files of
     whole rows written before are never read.
 
-Integrity (the tier config's "checksum", off by default):
-    With "auto" (xxh3_64 where the xxhash package imports, else crc32),
-    "xxh3_64" or "crc32", each block file carries a checksum of the block's
-    key and bytes, set as its extended attribute user.vllm.kv_checksum
-    before the file is published: the file holds exactly the block. A load
+Integrity (the tier config's "checksum", on by default):
+    With "auto" (the default: crc32c where the fs_io_C extension is built,
+    computed in C with the block's I/O; else xxh3_64 where the xxhash
+    package imports, else crc32), "crc32c", "xxh3_64" or "crc32", each
+    block file carries a checksum of the block's key and bytes, set as its
+    extended attribute user.vllm.kv_checksum before the file is published:
+    the file holds exactly the block. A load
     whose checksum does not match or is missing fails: the key is a miss,
     so a block file overwritten by another writer (same size, another key's
     block, a flipped bit) is never served. Where the root's filesystem has
@@ -214,7 +216,7 @@ class FileSystemTierManager(SecondaryTierManager):
         n_read_threads: int = 16,
         n_write_threads: int = 16,
         cleanup_stale_tmp_after_seconds: float | None = 3600.0,
-        checksum: str = "none",
+        checksum: str = "auto",
         group_access: bool = False,
         key_file: str | None = None,
         max_bytes: int | None = None,
@@ -231,9 +233,11 @@ class FileSystemTierManager(SecondaryTierManager):
             cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
                 temp files not modified for this long (left by writers
                 killed between writing a block and renaming it); None: never.
-            checksum: "none" (the default), "auto" (xxh3_64 where the
-                xxhash package imports, else crc32), "xxh3_64" or "crc32"
-                (zlib): store a checksum of each block's key and bytes with
+            checksum: "auto" (the default: crc32c where the fs_io_C
+                extension is built, else xxh3_64 where the xxhash package
+                imports, else crc32), "crc32c" (Castagnoli, in C), "xxh3_64",
+                "crc32" (zlib) or "none": store a checksum of each block's
+                key and bytes with
                 the block (in an extended attribute of its file, else a
                 trailer) and check it on every load; a mismatch (a file
                 overwritten by another writer, another key's block, a
