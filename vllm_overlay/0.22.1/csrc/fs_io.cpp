@@ -29,12 +29,13 @@
 #include <cstdint>
 #include <vector>
 
-// Linux 5.6+ headers; elsewhere HAVE_OPENAT2 is 0 and io.py never calls in.
+// The crc32 instruction, used where the CPU has it (checked at run time).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   #include <nmmintrin.h>
   #define FS_IO_HAVE_SSE42_DISPATCH 1
 #endif
 
+// Linux 5.6+ headers; elsewhere HAVE_OPENAT2 is 0 and io.py never calls in.
 #if defined(__linux__) && defined(SYS_openat2) && __has_include(<linux/openat2.h>)
   #include <linux/openat2.h>
   #define FS_IO_HAVE_OPENAT2 1
@@ -189,7 +190,8 @@ struct Checksum {
   const char* xattr = nullptr;  // nullptr: no checksum
   const char* key = nullptr;
   size_t key_len = 0;
-  void compute(const char* data, size_t n, unsigned char out[kDigestSize]) {
+  void compute(const char* data, size_t n,
+               unsigned char out[kDigestSize]) const {
     uint32_t crc = ~crc32c_update(crc32c_update(~0u, key, key_len), data, n);
     for (size_t i = 0; i < kDigestSize; i++) {
       out[i] = i < 4 ? static_cast<unsigned char>(crc >> (8 * i)) : 0;
@@ -246,7 +248,7 @@ int write_all(int fd, const char* data, size_t n) {
 
 int store(const char* tmp_path, const char* dest_path, char* row,
           const std::vector<Run>& runs, size_t size, int flags, mode_t mode,
-          bool chmod, Checksum& checksum) {
+          bool chmod, const Checksum& checksum) {
   const char* data = row;
   if (!runs.empty()) {
     char* buf = bounce.get(size);
@@ -295,7 +297,7 @@ int store(const char* tmp_path, const char* dest_path, char* row,
 }
 
 int load(const char* path, char* row, const std::vector<Run>& runs, size_t size,
-         int flags, Checksum& checksum) {
+         int flags, const Checksum& checksum) {
   int fd = open_without_links(path, O_RDONLY | flags, 0);
   if (fd < 0) {
     return fd;
@@ -340,10 +342,11 @@ int load(const char* path, char* row, const std::vector<Run>& runs, size_t size,
 }
 #else
 int store(const char*, const char*, char*, const std::vector<Run>&, size_t, int,
-          mode_t, bool, Checksum&) {
+          mode_t, bool, const Checksum&) {
   return -ENOSYS;
 }
-int load(const char*, char*, const std::vector<Run>&, size_t, int, Checksum&) {
+int load(const char*, char*, const std::vector<Run>&, size_t, int,
+         const Checksum&) {
   return -ENOSYS;
 }
 #endif
