@@ -35,9 +35,14 @@
   #define FS_IO_HAVE_SSE42_DISPATCH 1
 #endif
 
-// Linux 5.6+ headers; elsewhere HAVE_OPENAT2 is 0 and io.py never calls in.
-#if defined(__linux__) && defined(SYS_openat2) && __has_include(<linux/openat2.h>)
-  #include <linux/openat2.h>
+// openat2 (Linux 5.6) on the architectures whose syscall table numbers it
+// 437, as io.py's _OPENAT2_MACHINES; declared here rather than taken from
+// <linux/openat2.h>, which older build images (manylinux_2_28) lack.
+// Elsewhere HAVE_OPENAT2 is 0 and io.py never calls in.
+#if defined(__linux__) &&                                      \
+    (defined(__x86_64__) || defined(__aarch64__) ||            \
+     (defined(__powerpc64__) && defined(__LITTLE_ENDIAN__)) || \
+     defined(__s390x__) || (defined(__riscv) && __riscv_xlen == 64))
   #define FS_IO_HAVE_OPENAT2 1
 #endif
 
@@ -229,28 +234,36 @@ thread_local Bounce bounce;
 #ifdef FS_IO_HAVE_OPENAT2
 // io.py's _open_without_links(): a symbolic link at any component of the
 // path fails the open (ELOOP) instead of being followed.
+constexpr long kSysOpenat2 = 437;
+constexpr uint64_t kResolveNoSymlinks = 0x04;
+struct OpenHow {  // struct open_how
+  uint64_t flags, mode, resolve;
+};
+
 int open_without_links(const char* path, int flags, mode_t mode) {
-  struct open_how how = {};
+  OpenHow how = {};
   how.flags = static_cast<uint64_t>(flags | O_CLOEXEC);
   how.mode = (flags & O_CREAT) ? mode : 0;
-  how.resolve = RESOLVE_NO_SYMLINKS;
-  long fd = syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof(how));
+  how.resolve = kResolveNoSymlinks;
+  long fd = syscall(kSysOpenat2, AT_FDCWD, path, &how, sizeof(how));
   return fd < 0 ? -errno : static_cast<int>(fd);
 }
 
-int write_all(int fd, const char* data, size_t n) {
+// One write, as io.py's writev: a failed or short one (-EIO) goes to io.py,
+// which writes the block again and says why if that fails too.
+int write_block(int fd, const char* data, size_t n) {
   ssize_t written = write(fd, data, n);
   if (written < 0) {
     return -errno;
   }
-  return static_cast<size_t>(written) == n ? 0 : -EIO;  // short: io.py says
+  return static_cast<size_t>(written) == n ? 0 : -EIO;
 }
 
 int store(const char* tmp_path, const char* dest_path, char* row,
-          const std::vector<Run>& runs, size_t size, int flags, mode_t mode,
-          bool chmod, const Checksum& checksum) {
+          const std::vector<Run>& runs, bool in_place, size_t size, int flags,
+          mode_t mode, bool chmod, const Checksum& checksum) {
   const char* data = row;
-  if (!runs.empty()) {
+  if (!in_place) {
     char* buf = bounce.get(size);
     if (buf == nullptr) {
       return -ENOMEM;
@@ -273,7 +286,7 @@ int store(const char* tmp_path, const char* dest_path, char* row,
     rc = -errno;
   }
   if (rc == 0) {
-    rc = write_all(fd, data, size);
+    rc = write_block(fd, data, size);
   }
   if (rc == 0 && checksum.xattr != nullptr) {
     // set before the file is published: a block file appears with it
@@ -291,21 +304,23 @@ int store(const char* tmp_path, const char* dest_path, char* row,
     return rc;
   }
   if (renameat2(AT_FDCWD, tmp_path, AT_FDCWD, dest_path, RENAME_NOREPLACE)) {
-    return kUnpublished;
+    rc = errno;
+    if (rc == EEXIST || rc == EINVAL || rc == ENOSYS || rc == EOPNOTSUPP) {
+      return kUnpublished;  // the name is taken, or the flag unsupported
+    }
+    unlink(tmp_path);
+    return -rc;
   }
   return kDone;
 }
 
-int load(const char* path, char* row, const std::vector<Run>& runs, size_t size,
-         int flags, const Checksum& checksum) {
+int load(const char* path, char* row, const std::vector<Run>& runs,
+         bool in_place, size_t size, int flags, const Checksum& checksum) {
   int fd = open_without_links(path, O_RDONLY | flags, 0);
   if (fd < 0) {
     return fd;
   }
-  char* dst = row;
-  if (!runs.empty()) {
-    dst = bounce.get(size);
-  }
+  char* dst = in_place ? row : bounce.get(size);
   int rc = 0;
   struct stat st;
   if (dst == nullptr) {
@@ -331,7 +346,7 @@ int load(const char* path, char* row, const std::vector<Run>& runs, size_t size,
       rc = -EBADMSG;  // io.py reads it again, and fails it as damaged
     }
   }
-  if (rc == 0 && !runs.empty()) {
+  if (rc == 0 && !in_place) {
     size_t pos = 0;
     for (const Run& r : runs) {
       memcpy(row + r.offset, dst + pos, r.length);
@@ -341,22 +356,29 @@ int load(const char* path, char* row, const std::vector<Run>& runs, size_t size,
   return rc;
 }
 #else
-int store(const char*, const char*, char*, const std::vector<Run>&, size_t, int,
-          mode_t, bool, const Checksum&) {
+int store(const char*, const char*, char*, const std::vector<Run>&, bool,
+          size_t, int, mode_t, bool, const Checksum&) {
   return -ENOSYS;
 }
-int load(const char*, char*, const std::vector<Run>&, size_t, int,
+int load(const char*, char*, const std::vector<Run>&, bool, size_t, int,
          const Checksum&) {
   return -ENOSYS;
 }
 #endif
 
-// The (offset, length) pairs of *runs* (None: none) within *row* from
-// *offset*, whose lengths sum to at most *size*; or false with an exception.
+// Where a block's bytes are in *row* (row_len bytes): with *runs* None, the
+// *size* bytes at *offset* (in_place); else the (offset from *offset*,
+// length) pairs of *runs*, whose lengths sum to at most *size*. False, with
+// an exception set, for anything outside the row (no sum that can overflow).
 bool parse_runs(PyObject* runs, Py_ssize_t offset, Py_ssize_t size,
-                Py_ssize_t row_len, std::vector<Run>& out) {
-  if (runs == Py_None) {
-    if (offset < 0 || size < 0 || offset + size > row_len) {
+                Py_ssize_t row_len, std::vector<Run>& out, bool& in_place) {
+  if (offset < 0 || offset > row_len || size < 0) {
+    PyErr_SetString(PyExc_ValueError, "block outside the row buffer");
+    return false;
+  }
+  in_place = runs == Py_None;
+  if (in_place) {
+    if (size > row_len - offset) {
       PyErr_SetString(PyExc_ValueError, "block outside the row buffer");
       return false;
     }
@@ -367,24 +389,29 @@ bool parse_runs(PyObject* runs, Py_ssize_t offset, Py_ssize_t size,
     return false;
   }
   out.reserve(n);
-  Py_ssize_t total = 0;
+  Py_ssize_t left = size;  // of the file, for the runs still to come
   for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t field[2] = {-1, -1};
     PyObject* pair = PySequence_GetItem(runs, i);
-    Run r = {-1, -1};
-    if (pair != nullptr) {
-      PyArg_ParseTuple(pair, "nn", &r.offset, &r.length);
-      Py_DECREF(pair);
+    for (Py_ssize_t j = 0; pair != nullptr && j < 2; j++) {
+      PyObject* item = PySequence_GetItem(pair, j);
+      if (item != nullptr) {
+        field[j] = PyLong_AsSsize_t(item);
+        Py_DECREF(item);
+      }
     }
+    Py_XDECREF(pair);
     if (PyErr_Occurred()) {
       return false;
     }
-    r.offset += offset;
-    total += r.length;
-    if (r.offset < 0 || r.length < 0 || r.offset + r.length > row_len ||
-        total > size) {
+    Run r = {field[0], field[1]};
+    if (r.offset < 0 || r.offset > row_len - offset || r.length < 0 ||
+        r.length > row_len - offset - r.offset || r.length > left) {
       PyErr_SetString(PyExc_ValueError, "run outside the row buffer or file");
       return false;
     }
+    r.offset += offset;
+    left -= r.length;
     out.push_back(r);
   }
   return true;
@@ -408,15 +435,16 @@ static PyObject* store_new_block(PyObject* /*self*/, PyObject* args) {
   PyObject* result = nullptr;
   Py_buffer row;
   std::vector<Run> runs;
+  bool in_place;
   if (PyObject_GetBuffer(row_obj, &row, PyBUF_SIMPLE) == 0) {
-    if (parse_runs(runs_obj, offset, size, row.len, runs)) {
-      char* start = static_cast<char*>(row.buf) + (runs.empty() ? offset : 0);
+    if (parse_runs(runs_obj, offset, size, row.len, runs, in_place)) {
+      char* start = static_cast<char*>(row.buf) + (in_place ? offset : 0);
       const char* tmp = PyBytes_AsString(tmp_path);
       const char* dest = PyBytes_AsString(dest_path);
       int rc;
-      Py_BEGIN_ALLOW_THREADS;
       checksum.key_len = static_cast<size_t>(key_len);
-      rc = store(tmp, dest, start, runs, static_cast<size_t>(size),
+      Py_BEGIN_ALLOW_THREADS;
+      rc = store(tmp, dest, start, runs, in_place, static_cast<size_t>(size),
                  direct ? kODirect : 0, static_cast<mode_t>(mode), chmod,
                  checksum);
       Py_END_ALLOW_THREADS;
@@ -444,14 +472,15 @@ static PyObject* load_block(PyObject* /*self*/, PyObject* args) {
   PyObject* result = nullptr;
   Py_buffer row;
   std::vector<Run> runs;
+  bool in_place;
   if (PyObject_GetBuffer(row_obj, &row, PyBUF_WRITABLE) == 0) {
-    if (parse_runs(runs_obj, offset, size, row.len, runs)) {
-      char* start = static_cast<char*>(row.buf) + (runs.empty() ? offset : 0);
+    if (parse_runs(runs_obj, offset, size, row.len, runs, in_place)) {
+      char* start = static_cast<char*>(row.buf) + (in_place ? offset : 0);
       const char* source = PyBytes_AsString(path);
       int rc;
-      Py_BEGIN_ALLOW_THREADS;
       checksum.key_len = static_cast<size_t>(key_len);
-      rc = load(source, start, runs, static_cast<size_t>(size),
+      Py_BEGIN_ALLOW_THREADS;
+      rc = load(source, start, runs, in_place, static_cast<size_t>(size),
                 direct ? kODirect : 0, checksum);
       Py_END_ALLOW_THREADS;
       result = PyLong_FromLong(rc);

@@ -577,13 +577,20 @@ def test_a_new_block_is_stored_and_loaded_in_c(tmp_path, monkeypatch, fs_io_c):
     write or read of Python's on the I/O threads (each of those is a GIL
     hand-over among them). Its bytes arrive."""
     written = []
-    for name in ("writev", "readv", "fstat"):
+
+    def recording(name):
         real = getattr(os, name)
-        monkeypatch.setattr(
-            os,
-            name,
-            lambda *args, real=real, name=name: written.append(name) or real(*args),
-        )
+
+        def call(*args):
+            # the pool's I/O threads (not the start-up walk's thread)
+            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
+                written.append(name)
+            return real(*args)
+
+        return call
+
+    for name in ("writev", "readv", "fstat"):
+        monkeypatch.setattr(os, name, recording(name))
     rows = _aligned_rows(4)
     rows[0] = np.arange(rows.shape[1]) % 251
     tier = _make_tier(str(tmp_path), rows)
@@ -618,10 +625,12 @@ def test_c_hands_a_block_it_cannot_take_to_python(tmp_path, fs_io_c):
         assert [r.success for r in _finish(tier)] == [True]
         assert fs_io_c.results == [("store_new_block", -errno.ENOENT)]
         fs_io_c.results.clear()
+        inode = os.stat(path).st_ino
         tier.submit_store(make_job(2, [key(1)], [0]))  # the name is taken
         assert [r.success for r in _finish(tier)] == [True]
         assert fs_io_c.results == [("store_new_block", 1)]
         assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+        assert os.stat(path).st_ino == inode  # kept
 
         fs_io_c.results.clear()
         with open(path, "r+b") as f:
@@ -639,6 +648,51 @@ def test_c_hands_a_block_it_cannot_take_to_python(tmp_path, fs_io_c):
         assert [r.success for r in _finish(tier)] == [False]
         assert fs_io_c.results == [("load_block", -errno.ELOOP)]
         assert target.read_bytes() == bytes(n)
+        assert not os.path.lexists(path)  # the link at the block's path: removed
+
+        # a linked directory: the file behind it is not the tier's
+        fs_io_c.results.clear()
+        block_dir = os.path.dirname(path)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        planted = elsewhere / os.path.basename(path)
+        planted.write_bytes(bytes(n))
+        os.rmdir(block_dir)
+        os.symlink(elsewhere, block_dir)
+        tier.submit_load(make_job(5, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        assert fs_io_c.results == [("load_block", -errno.ELOOP)]
+        assert planted.read_bytes() == bytes(n)  # neither read nor removed
+    finally:
+        tier.shutdown()
+
+
+def test_a_write_that_fails_in_c_leaves_no_temp_file(tmp_path, fs_io_c):
+    """A block whose write fails in C (here the file size limit: EFBIG)
+    leaves nothing behind; Python writes it again, fails the same way and
+    fails the store: the key is not stored, no temp file is left."""
+    import resource
+    import signal
+
+    rows = _aligned_rows(4)
+    rows[0] = 3
+    tier = _make_tier(str(tmp_path), rows)
+    try:
+        path = tier.file_mapper.get_file_name(key(1))
+        os.makedirs(os.path.dirname(path))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+        try:
+            tier.submit_store(make_job(1, [key(1)], [0]))
+            results = _finish(tier)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+        assert [r.success for r in results] == [False]
+        assert fs_io_c.results == [("store_new_block", -errno.EFBIG)]
+        assert os.listdir(os.path.dirname(path)) == []
+        assert tier.lookup(key(1), _CTX) is False
     finally:
         tier.shutdown()
 
@@ -660,6 +714,7 @@ def test_c_is_not_used_where_python_must_decide(
         config["checksum"] = "crc32"
     elif reason == "checksum in a trailer":
         request.getfixturevalue("no_user_xattrs")
+        config["checksum"] = "crc32c"
     else:
         monkeypatch.setattr(fs_io, "_openat2", None)
     rows = _aligned_rows(4)
@@ -682,12 +737,28 @@ def test_crc32c_is_the_castagnoli_crc_of_the_key_then_the_block():
     bytes followed by the block's, 8 bytes little-endian."""
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
 
-    _require_c_path(fs_io)
+    if getattr(fs_io, "fs_io_C", None) is None:
+        pytest.fail("fs_io_C is not built: CMakeLists.txt's fs_io_C target")
     crc32c = fs_io.fs_io_C.crc32c
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        table.append(crc)
+
+    def reference(data: bytes) -> bytes:
+        crc = 0xFFFFFFFF
+        for b in data:
+            crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
+        return (crc ^ 0xFFFFFFFF).to_bytes(8, "little")
+
     assert crc32c(b"", b"123456789") == (0xE3069283).to_bytes(8, "little")
-    block = np.random.default_rng(0).integers(0, 256, 65536 + 13, dtype=np.uint8)
-    assert crc32c(b"key", block) == crc32c(b"", b"key" + block.tobytes())
-    assert crc32c(b"key", block) != crc32c(b"kex", block)
+    rng = np.random.default_rng(0)
+    # through the tail, the short lanes (3 x 256 B) and the long (3 x 8 KiB)
+    for n in (0, 7, 767, 768, 24575, 24576 + 769, 65549):
+        block = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert crc32c(b"key", block) == reference(b"key" + block), n
 
 
 def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
@@ -696,6 +767,10 @@ def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
     block's I/O; a file overwritten in place with as many bytes fails its
     load in C (EBADMSG), and Python, reading it again, fails it as damaged
     and removes it."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if fs_io.probe_user_xattrs(str(tmp_path)) is not None:
+        pytest.skip("no user xattrs here: 'auto' checks nothing")
     rows = _aligned_rows(4)
     rows[0] = np.arange(rows.shape[1]) % 253
     tier = _make_tier(str(tmp_path), rows)
@@ -724,6 +799,27 @@ def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
         assert not os.path.exists(path)
     finally:
         tier.shutdown()
+
+
+def test_auto_checks_nothing_on_a_root_without_user_xattrs(
+    tmp_path, caplog, no_user_xattrs
+):
+    """Where the root has no user xattrs, the default ("auto") would cost a
+    trailer page per file and keep every block on the Python path: it
+    checks nothing instead, and says so at start, naming the setting that
+    keeps a checksum in a trailer. Set explicitly, a checksum gets one."""
+    rows = _aligned_rows(2)
+    with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = _make_tier(str(tmp_path / "auto"), rows)
+    tier.shutdown()
+    assert tier._checksum is None
+    (line,) = [
+        r.getMessage() for r in caplog.records if "not checked" in r.getMessage()
+    ]
+    assert "Set the tier's 'checksum' to 'crc32c'" in line
+    tier = _make_tier(str(tmp_path / "crc32c"), rows, checksum="crc32c")
+    tier.shutdown()
+    assert tier._checksum.describe() == {"algorithm": "crc32c", "trailer_bytes": 4096}
 
 
 def test_crc32c_without_fs_io_c_is_refused_naming_the_setting(tmp_path, monkeypatch):
@@ -812,27 +908,38 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
         tier.shutdown()
 
 
-def test_a_complete_block_file_already_there_is_kept(tmp_path, publish):
+@pytest.mark.parametrize(
+    "checksum,second",
+    [("none", 5), (None, 4), (None, 5)],
+    ids=["none", "same", "other"],
+)
+def test_a_complete_block_file_already_there_is_kept(
+    tmp_path, publish, checksum, second
+):
     """A store whose block file is already complete (another engine on the
     same root, or a store that raced a restart) keeps that file, and leaves
-    no temp file: with RENAME_NOREPLACE, and where the flag is unsupported."""
+    no temp file: with RENAME_NOREPLACE, and where the flag is unsupported.
+    Without a checksum, whatever its bytes; with one (the default), if it
+    holds this block's checksum: a file of other bytes is another block's,
+    replaced (the temp file published: a new inode, the new bytes)."""
     rows = _aligned_rows(4)
     rows[0] = 4
-    tier = _make_tier(str(tmp_path), rows)
+    config = {} if checksum is None else {"checksum": checksum}
+    tier = _make_tier(str(tmp_path), rows, **config)
     try:
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         path = tier.file_mapper.get_file_name(key(1))
         inode = os.stat(path).st_ino
-        # the same block stored again (a second engine on the root): kept,
-        # its checksum (on by default) included
+        rows[0] = second
         tier.submit_store(make_job(2, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert os.stat(path).st_ino == inode
+        replaced = checksum is None and second != 4
+        assert (os.stat(path).st_ino != inode) == replaced
         assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
         tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == 4).all()
+        assert (rows[1] == (second if replaced else 4)).all()
     finally:
         tier.shutdown()
 
@@ -1069,6 +1176,8 @@ def test_load_fails_for_a_block_file_overwritten_in_place(
     if checksum == "xxh3_64":
         pytest.importorskip("xxhash")
     if where == "trailer":
+        if checksum is None:
+            pytest.skip("the default checks nothing without user xattrs")
         request.getfixturevalue("no_user_xattrs")
     rows = _aligned_rows(6)
     n = rows.shape[1]

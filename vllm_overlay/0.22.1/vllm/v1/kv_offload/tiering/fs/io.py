@@ -779,6 +779,15 @@ def store_block(
     at only when the temp file cannot be created in it, and dest_path only
     when the temp file cannot be published there with RENAME_NOREPLACE
     (the name is taken, or the flag is unsupported).
+
+    Where fs_io_C is in use (_c_path_in_use()), a store without a checksum
+    or with crc32c in an xattr, and not an overwrite, is first tried in one
+    C call (fs_io_C.store_new_block: the GIL released once). Published:
+    done. Written but not published (_C_UNPUBLISHED): the temp file is
+    complete, and the publish below decides. Any other result (-errno, the
+    call left nothing behind): the block is stored here from the start, as
+    without C. C gathers runs into its own per-thread buffer, not
+    _bounce(): an I/O thread may hold both, each of the largest group file.
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
     # Write the block atomically: a temp file, renamed into place.
@@ -807,12 +816,14 @@ def store_block(
             return
         created = rc == _C_UNPUBLISHED  # else the Python path from the start
     value = None
-    if not created or checksum is not None:
-        # (after C: the value a file already there must hold to be kept)
+    if not created:
         chunks, value = _block_chunks(buffer, offset, block_size, key, checksum, runs)
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
     try:
-        if not created:
+        if created and checksum is not None:
+            # C's temp file: the value a file already there must hold to be kept
+            value = _block_chunks(buffer, offset, block_size, key, checksum, runs)[1]
+        elif not created:
             try:
                 fd = _open_without_links(tmp_path, flags, modes.file)
             except FileNotFoundError:  # the block's directory is missing
@@ -948,6 +959,12 @@ def load_block(
     attribute read from the fd the block was read from). With *runs* (see
     store_block()), the file's bytes go to those runs of the row, once
     checked; the row's other bytes are left as they are.
+
+    Where fs_io_C is in use, a block without a checksum or with crc32c in
+    an xattr is first loaded in one C call (fs_io_C.load_block); any result
+    but 0 (the file is not one block, a link, a checksum that differs or is
+    missing: EBADMSG, an error) loads it again here, which fails it with
+    its reason and removes the file as without C.
     """
     if (
         (checksum is None or checksum.in_c)

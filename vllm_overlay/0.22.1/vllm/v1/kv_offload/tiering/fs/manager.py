@@ -41,8 +41,10 @@ Integrity (the tier config's "checksum", on by default):
     block, a flipped bit) is never served. Where the root's filesystem has
     no user xattrs (probed once at start), the checksum is written in a
     trailer after the block instead (a page where the blocks are
-    page-aligned, for O_DIRECT; else 8 bytes), which costs more I/O. Where
-    it is kept, and the algorithm, are part of the file layout
+    page-aligned, for O_DIRECT; else 8 bytes), which costs more I/O and
+    keeps every block on the Python path: there "auto" checks nothing (a
+    warning at start says so and how to choose a trailer). Where it is
+    kept, and the algorithm, are part of the file layout
     (config.json): files of one format are never read as another.
 
 Keyed namespace (the tier config's "key_file", off by default):
@@ -237,12 +239,13 @@ class FileSystemTierManager(SecondaryTierManager):
                 extension is built, else xxh3_64 where the xxhash package
                 imports, else crc32), "crc32c" (Castagnoli, in C), "xxh3_64",
                 "crc32" (zlib) or "none": store a checksum of each block's
-                key and bytes with
-                the block (in an extended attribute of its file, else a
-                trailer) and check it on every load; a mismatch (a file
-                overwritten by another writer, another key's block, a
-                flipped bit) makes the key a miss. Part of the file layout:
-                each algorithm has its own directory.
+                key and bytes with the block (in an extended attribute of
+                its file, else a trailer) and check it on every load; a
+                mismatch (a file overwritten by another writer, another key's
+                block, a flipped bit) makes the key a miss. Part of the file
+                layout: each algorithm has its own directory. "auto" checks
+                nothing where the root has no user xattrs (a warning at
+                start says so).
             group_access: create files 0640 and directories 2770 (the
                 group's engines read blocks and store into each other's
                 directories) instead of 0600 and 0700.
@@ -306,7 +309,8 @@ class FileSystemTierManager(SecondaryTierManager):
         if tier_key is not None or checksum != "none":
             make_dirs(root_dir, self._modes)
             xattr_reason = probe_user_xattrs(root_dir, self._modes)
-        if xattr_reason is not None:
+        auto_off = checksum == "auto" and tier_key is None
+        if xattr_reason is not None and not auto_off:
             logger.info(
                 "fs_python tier at %s: keeping each block's checksum in a "
                 "trailer after the block because %s",
@@ -314,6 +318,19 @@ class FileSystemTierManager(SecondaryTierManager):
                 xattr_reason,
             )
         in_xattr = xattr_reason is None
+        if auto_off and not in_xattr:
+            # a trailer page per file (+25% for 16 KiB group files) and every
+            # block on the Python path: not a default's price
+            logger.warning(
+                "fs_python tier at %s: blocks are not checked for damage: "
+                "checksum 'auto' keeps its checksum in a user extended "
+                "attribute, and %s. Set the tier's 'checksum' to 'crc32c' "
+                "(or 'xxh3_64', 'crc32') to keep it in a trailer page after "
+                "each block instead",
+                root_dir,
+                xattr_reason,
+            )
+            checksum = "none"
         self._checksum: BlockChecksum | None = None
         if tier_key is None and checksum != "none":
             self._checksum = BlockChecksum(
