@@ -625,10 +625,6 @@ class BlockMac(BlockChecksum):
         mac.update(data)
         return mac.digest()
 
-    @property
-    def in_c(self) -> bool:
-        return False
-
     def mismatch(self) -> str:
         return f"{self.algorithm} MAC mismatch: not written with the tier's key"
 
