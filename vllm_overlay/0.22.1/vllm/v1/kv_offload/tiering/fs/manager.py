@@ -77,7 +77,9 @@ Budget (the tier config's "max_bytes", unbounded by default):
     store evicts first, whole chunks (every group's file) of the least
     recently used prefix tails, never a chunk with a transfer in flight; a
     store that cannot fit fails for the keys that do not. Existing files are
-    indexed at start, in the background. See budget.py.
+    indexed at start, in the background. See budget.py. The root's other
+    layouts (an earlier version's, another model's) are not counted: they
+    are named at start, for their owner to remove.
 
 File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
@@ -87,8 +89,10 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import mmap
 import os
+import re
 import stat
 import threading
 import time
@@ -192,6 +196,30 @@ def group_files(
 
 def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
     return bytes.fromhex(file_stem(block_hash))
+
+
+# how many other layouts' directories the start-up line names
+_OTHER_LAYOUTS_NAMED = 5
+# FileMapper's directories: <model>_<layout digest> (config.json), and
+# <model>_<layout digest>_r<rank> (the rank's blocks)
+_LAYOUT_DIR = re.compile(r"(.+_[0-9a-f]{12})(_r[0-9]+)?")
+
+
+def other_layouts(root_dir: str, base_path: str) -> list[str]:
+    """The layouts with directories in *root_dir* (one listing, no walk)
+    other than *base_path*'s: their <model>_<layout digest> names, sorted."""
+    own = os.path.basename(base_path)
+    others = set()
+    with contextlib.suppress(OSError), os.scandir(root_dir) as entries:
+        for entry in entries:
+            match = _LAYOUT_DIR.fullmatch(entry.name)
+            if (
+                match is not None
+                and match.group(1) != own
+                and entry.is_dir(follow_symlinks=False)
+            ):
+                others.add(match.group(1))
+    return sorted(others)
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -505,6 +533,25 @@ class FileSystemTierManager(SecondaryTierManager):
                         self._max_bytes,
                         free,
                     )
+        others = other_layouts(root_dir, self.file_mapper.base_path)
+        if others:
+            # e.g. an earlier run's (another version or tier setting): this
+            # tier never removes their files, so they stay until removed
+            named = ", ".join(others[:_OTHER_LAYOUTS_NAMED])
+            if len(others) > _OTHER_LAYOUTS_NAMED:
+                named += f" and {len(others) - _OTHER_LAYOUTS_NAMED} more"
+            logger.log(
+                logging.INFO if self._max_bytes is None else logging.WARNING,
+                "fs_python tier at %s: blocks of %d other layout(s) are here "
+                "(other models or parallelism, other tier settings, or an "
+                "earlier version's): %s (<name> and <name>_r<rank>). This "
+                "tier never reads or removes them%s: remove those no engine "
+                "uses",
+                root_dir,
+                len(others),
+                named,
+                "" if self._max_bytes is None else ", nor counts them in max_bytes",
+            )
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of this directory's files) unless it
