@@ -576,21 +576,7 @@ def test_a_new_block_is_stored_and_loaded_in_c(tmp_path, monkeypatch, fs_io_c):
     """A new block is stored, and loaded, by fs_io_C in one call each: no
     write or read of Python's on the I/O threads (each of those is a GIL
     hand-over among them). Its bytes arrive."""
-    written = []
-
-    def recording(name):
-        real = getattr(os, name)
-
-        def call(*args):
-            # the pool's I/O threads (not the start-up walk's thread)
-            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
-                written.append(name)
-            return real(*args)
-
-        return call
-
-    for name in ("writev", "readv", "fstat"):
-        monkeypatch.setattr(os, name, recording(name))
+    written = _io_thread_calls(monkeypatch, ("writev", "readv", "fstat"))
     rows = _aligned_rows(4)
     rows[0] = np.arange(rows.shape[1]) % 251
     tier = _make_tier(str(tmp_path), rows)
@@ -864,6 +850,26 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publi
         tier.shutdown()
 
 
+def _io_thread_calls(monkeypatch, names: tuple[str, ...]) -> list:
+    """The calls of os.<name> made from now on by the tier pool's I/O
+    threads (not the start-up walk's thread), as (name, first argument)."""
+    calls: list[tuple[str, str]] = []
+
+    def recording(name):
+        real = getattr(os, name)
+
+        def call(*args, **kwargs):
+            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
+                calls.append((name, str(args[0])))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in names:
+        monkeypatch.setattr(os, name, recording(name))
+    return calls
+
+
 def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
     tmp_path, monkeypatch, io_path
 ):
@@ -876,19 +882,6 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
 
     if None in (getattr(fs_io, "_openat2", 0), getattr(fs_io, "_renameat2", 0)):
         pytest.skip("no openat2 or renameat2 here")
-    looked: list[tuple[str, str]] = []
-
-    def recording(name):
-        real = getattr(os, name)
-
-        def call(path, *args, **kwargs):
-            # the pool's I/O threads (not the start-up walk's thread)
-            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
-                looked.append((name, str(path)))
-            return real(path, *args, **kwargs)
-
-        return call
-
     rows = _aligned_rows(4)
     rows[0] = 3
     tier = _make_tier(str(tmp_path), rows)
@@ -896,8 +889,7 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
         # the block's directory exists, as in a tier that has run a while
         path = tier.file_mapper.get_file_name(key(1))
         os.makedirs(os.path.dirname(path))
-        for name in ("lstat", "stat", "readlink"):
-            monkeypatch.setattr(os, name, recording(name))
+        looked = _io_thread_calls(monkeypatch, ("lstat", "stat", "readlink"))
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
