@@ -1085,6 +1085,38 @@ def test_budget_above_free_space_warns_once(tmp_path, caplog_vllm):
     assert len(warnings) == 1 and str(huge) in warnings[0], warnings
 
 
+def test_other_layouts_in_the_root_are_named_at_start(tmp_path, caplog_vllm):
+    """Another layout's directories in the root (an earlier version's, another
+    tier setting's or model's) are never counted by max_bytes, nor removed:
+    one line at start names them, a warning with a budget. The tier's own
+    directories (its config's, every rank's) and other names are not named."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    block_bytes = _ROW_ELEMENTS * 4
+    root = str(tmp_path)
+    first = make_tier(root, rows)
+    first.shutdown()
+    own = os.path.basename(first.file_mapper.base_path)
+    os.makedirs(os.path.join(root, f"{own}_r1"))  # another rank of this layout
+    old = "org_model_0123456789ab"
+    old_block = os.path.join(root, f"{old}_r0", "abc", "de_g0", "abcde.bin")
+    os.makedirs(os.path.dirname(old_block))
+    os.makedirs(os.path.join(root, old))
+    with open(old_block, "wb") as f:
+        f.write(bytes(block_bytes))
+    os.makedirs(os.path.join(root, "notes_0123456789ab.d"))  # not a layout's
+    for max_bytes, level in ((4 * block_bytes, logging.WARNING), (None, logging.INFO)):
+        caplog_vllm.clear()
+        with caplog_vllm.at_level(logging.INFO):
+            make_tier(root, rows, max_bytes=max_bytes).shutdown()
+        lines = [r for r in caplog_vllm.records if "other layout" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].levelno == level, lines
+        message = lines[0].getMessage()
+        assert "1 other layout(s) are here" in message and old in message, message
+        assert own not in message and "notes" not in message, message
+        assert ("max_bytes" in message) == (max_bytes is not None), message
+    assert os.path.exists(old_block)
+
+
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     """The keys kept for finding parents are bounded (MAX_TRACKED_KEYS, the
     least recently seen requests dropped first) and dropped when a request

@@ -59,14 +59,18 @@ Budget (the tier config's "max_bytes", unbounded by default):
     store evicts first, whole chunks (every group's file) of the least
     recently used prefix tails, never a chunk with a transfer in flight; a
     store that cannot fit fails for the keys that do not. Existing files are
-    indexed at start, in the background. See budget.py.
+    indexed at start, in the background. See budget.py. The root's other
+    layouts (an earlier version's, another model's) are not counted: they
+    are named at start, for their owner to remove.
 """
 
 import contextlib
 import errno
 import functools
 import json
+import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -175,6 +179,30 @@ class FsAsyncLookupManager(AsyncLookupManager):
             # C extension: GIL released for the entire faccessat() batch.
             return batch_lookup_C(paths)
         return (is_block_path(p) for p in paths)
+
+
+# how many other layouts' directories the start-up line names
+_OTHER_LAYOUTS_NAMED = 5
+# FileMapper's directories: <model>_<layout digest> (config.json), and
+# <model>_<layout digest>_r<rank> (the rank's blocks)
+_LAYOUT_DIR = re.compile(r"(.+_[0-9a-f]{12})(_r[0-9]+)?")
+
+
+def other_layouts(root_dir: str, base_path: str) -> list[str]:
+    """The layouts with directories in *root_dir* (one listing, no walk)
+    other than *base_path*'s: their <model>_<layout digest> names, sorted."""
+    own = os.path.basename(base_path)
+    others = set()
+    with contextlib.suppress(OSError), os.scandir(root_dir) as entries:
+        for entry in entries:
+            match = _LAYOUT_DIR.fullmatch(entry.name)
+            if (
+                match is not None
+                and match.group(1) != own
+                and entry.is_dir(follow_symlinks=False)
+            ):
+                others.add(match.group(1))
+    return sorted(others)
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -475,6 +503,26 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
+        others = other_layouts(root_dir, self.file_mapper.base_path)
+        if others:
+            # e.g. an earlier run's (another version or tier setting): this
+            # tier never removes their files, so they stay until removed
+            named = ", ".join(others[:_OTHER_LAYOUTS_NAMED])
+            if len(others) > _OTHER_LAYOUTS_NAMED:
+                named += f" and {len(others) - _OTHER_LAYOUTS_NAMED} more"
+            logger.log(
+                logging.INFO if self._max_bytes is None else logging.WARNING,
+                "'%s' KV offload tier at %s: blocks of %d other layout(s) are "
+                "here (other models or parallelism, other tier settings, or an "
+                "earlier version's): %s (<name> and <name>_r<rank>). This "
+                "tier never reads or removes them%s: remove those no engine "
+                "uses",
+                self.tier_type,
+                root_dir,
+                len(others),
+                named,
+                "" if self._max_bytes is None else ", nor counts them in max_bytes",
+            )
 
     def _start_budget(
         self,
