@@ -61,7 +61,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 PAGE = mmap.PAGESIZE
 GOAL_ROWS = (64 << 10, 256 << 10)  # the row sizes issue 20's goal 2 names
 JOB_CHUNKS = 16  # chunks per job: a 4,096-token prompt in 256-token chunks
-# raw stores that publish crash-safe: side -> raw_io()'s publish
+# raw stores that publish atomically: side -> raw_io()'s publish
 PUBLISH = {"raw_atomic": "rename", "raw_linkat": "linkat"}
 
 
@@ -126,8 +126,7 @@ class Point:
         self.raw_direct = payload % PAGE == 0 and O_DIRECT != 0
         self.threads = threads
         self._job = itertools.count()
-        # /proc/self/fd: an O_TMPFILE is linked into place by its fd's name there
-        self.proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+        self.proc_fds: int | None = None  # /proc/self/fd, opened by the first linkat side
 
     # -- the fs tier, driven as TieringOffloadingManager drives it
     def tier_io(self, is_load: bool) -> float:
@@ -167,17 +166,21 @@ class Point:
 
     # -- raw file-per-block I/O, same threads
     def raw_io(self, is_load: bool, serial_chunks: bool = False, publish: str = "") -> float:
-        """publish: how each store makes its file appear whole, as any crash-safe publish
-        must (a reader never sees a partial file): "rename" writes a temporary name and
-        renames it into place; "linkat" writes an unnamed O_TMPFILE and links it into place
-        (no name to clean up after a crash; linkat fails if the name exists). The disk's
-        own cost of either, measured beside plain raw writes."""
+        """publish: how each store makes its file appear whole, as any atomic publish must
+        (a reader never sees a partial file, a killed writer leaves none; neither side
+        fsyncs, as the tier does not): "rename" writes a temporary name and renames it into
+        place; "linkat" writes an unnamed O_TMPFILE and links it into place (no name to
+        clean up after a crash; linkat fails if the name exists). The disk's own cost of
+        either, measured beside plain raw writes."""
         flags = O_DIRECT if self.raw_direct else 0
         rb, n, flat, paths = self.row_bytes, self.payload, self.flat, self.raw_paths
+        if publish == "linkat" and self.proc_fds is None:
+            # an O_TMPFILE is linked into place by its fd's name there
+            self.proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
 
         def store(i: int) -> None:
             if publish == "linkat":
-                fd = os.open(os.path.dirname(paths[i]), os.O_TMPFILE | os.O_WRONLY | flags, 0o600)
+                fd = os.open(os.path.dirname(paths[i]), os.O_TMPFILE | os.O_WRONLY | flags, 0o644)
             else:
                 path = paths[i] + ".tmp" if publish == "rename" else paths[i]
                 fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flags, 0o644)
@@ -325,7 +328,8 @@ class Point:
         return t_store, t_load
 
     def close(self) -> None:
-        os.close(self.proc_fds)
+        if self.proc_fds is not None:
+            os.close(self.proc_fds)
         self.tier.shutdown()
         self.view.release()
         self.flat.release()
@@ -526,7 +530,7 @@ def main() -> int:
         point = Point(
             str(root / f"rows-{row_bytes}-{payload}"), row_bytes, payload, n, 1, args.threads
         )
-        # the goal rows also against raw writes that publish crash-safe (either way)
+        # the goal rows also against raw writes that publish atomically (either way)
         sides = ["tier", "raw"] + (list(PUBLISH) if row_bytes == payload in GOAL_ROWS else [])
         try:
             res = measure(point, sides, args.rounds)

@@ -11,13 +11,13 @@ data integrity throughout the process.
 import errno
 import json
 import os
-import re
 import threading
 import time
 from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
+import regex as re
 import torch
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
@@ -470,6 +470,36 @@ def _aligned_rows(n_rows: int) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8).reshape(n_rows, mmap.PAGESIZE)
 
 
+# The names of the tier pool's I/O threads (not the start-up walk's thread).
+_IO_THREAD = r"vllm_kv_py_fs_[ls]\d+"
+
+
+def _io_thread_calls(monkeypatch, names: tuple[str, ...]) -> list:
+    """The calls of os.<name> made from now on by the tier pool's I/O
+    threads, as (name, first argument)."""
+    calls: list[tuple[str, object]] = []
+
+    def recording(name):
+        real = getattr(os, name)
+
+        def call(*args, **kwargs):
+            if re.fullmatch(_IO_THREAD, threading.current_thread().name):
+                calls.append((name, args[0] if args else kwargs))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in names:
+        monkeypatch.setattr(os, name, recording(name))
+    return calls
+
+
+def _has_io_threads() -> bool:
+    """Whether the pool's I/O threads run under the names the spy matches
+    (else a spy that recorded nothing proves nothing)."""
+    return any(re.fullmatch(_IO_THREAD, t.name) for t in threading.enumerate())
+
+
 def _refuse_user_xattrs(monkeypatch) -> None:
     """As on a root whose filesystem has no user extended attributes (an
     old tmpfs, some NFS mounts): every xattr call fails as there."""
@@ -589,7 +619,7 @@ def test_a_new_block_is_stored_and_loaded_in_c(tmp_path, monkeypatch, fs_io_c):
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[1] == rows[0]).all()
         assert fs_io_c.results == [("store_new_block", 0), ("load_block", 0)]
-        assert written == []
+        assert written == [] and _has_io_threads()
         assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
     finally:
         tier.shutdown()
@@ -850,26 +880,6 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publi
         tier.shutdown()
 
 
-def _io_thread_calls(monkeypatch, names: tuple[str, ...]) -> list:
-    """The calls of os.<name> made from now on by the tier pool's I/O
-    threads (not the start-up walk's thread), as (name, first argument)."""
-    calls: list[tuple[str, str]] = []
-
-    def recording(name):
-        real = getattr(os, name)
-
-        def call(*args, **kwargs):
-            if re.fullmatch(r"vllm_kv_py_fs_[ls]\d+", threading.current_thread().name):
-                calls.append((name, str(args[0])))
-            return real(*args, **kwargs)
-
-        return call
-
-    for name in names:
-        monkeypatch.setattr(os, name, recording(name))
-    return calls
-
-
 def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
     tmp_path, monkeypatch, io_path
 ):
@@ -895,7 +905,7 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[1] == 3).all()
-        assert looked == []
+        assert looked == [] and _has_io_threads()
     finally:
         tier.shutdown()
 

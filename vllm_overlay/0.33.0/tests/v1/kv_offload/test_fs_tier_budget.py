@@ -1086,34 +1086,50 @@ def test_budget_above_free_space_warns_once(tmp_path, caplog_vllm):
 
 
 def test_other_layouts_in_the_root_are_named_at_start(tmp_path, caplog_vllm):
-    """Another layout's directories in the root (an earlier version's, another
-    tier setting's or model's) are never counted by max_bytes, nor removed:
-    one line at start names them, a warning with a budget. The tier's own
-    directories (its config's, every rank's) and other names are not named."""
+    """This model's other layouts in the root (an earlier version's, another
+    tier setting's) are never read, removed or counted by max_bytes: one line
+    at start names them (five, then a count), a warning with a budget. Other
+    models' layouts (likely live) get an info line. The tier's own
+    directories (its config's, every rank's), links and files are not named."""
     rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
     block_bytes = _ROW_ELEMENTS * 4
     root = str(tmp_path)
     first = make_tier(root, rows)
     first.shutdown()
     own = os.path.basename(first.file_mapper.base_path)
+    model = own[:-13]  # FileMapper's <model>_<12 hex digits>
     os.makedirs(os.path.join(root, f"{own}_r1"))  # another rank of this layout
-    old = "org_model_0123456789ab"
-    old_block = os.path.join(root, f"{old}_r0", "abc", "de_g0", "abcde.bin")
+    olds = [f"{model}_{i:012x}" for i in range(1, 7)]
+    for old in olds:
+        os.makedirs(os.path.join(root, old))
+    old_block = os.path.join(root, f"{olds[0]}_r0", "abc", "de_g0", "abcde.bin")
     os.makedirs(os.path.dirname(old_block))
-    os.makedirs(os.path.join(root, old))
     with open(old_block, "wb") as f:
         f.write(bytes(block_bytes))
-    os.makedirs(os.path.join(root, "notes_0123456789ab.d"))  # not a layout's
+    os.makedirs(os.path.join(root, "other_model_0123456789ab_r0"))
+    not_layouts = [f"{model}_{7:012x}", f"{model}_{8:012x}", "notes_0123456789ab.d"]
+    os.symlink(os.path.join(root, olds[0]), os.path.join(root, not_layouts[0]))
+    open(os.path.join(root, not_layouts[1]), "w").close()
+    os.makedirs(os.path.join(root, not_layouts[2]))
     for max_bytes, level in ((4 * block_bytes, logging.WARNING), (None, logging.INFO)):
         caplog_vllm.clear()
         with caplog_vllm.at_level(logging.INFO):
             make_tier(root, rows, max_bytes=max_bytes).shutdown()
-        lines = [r for r in caplog_vllm.records if "other layout" in r.getMessage()]
-        assert len(lines) == 1 and lines[0].levelno == level, lines
-        message = lines[0].getMessage()
-        assert "1 other layout(s) are here" in message and old in message, message
-        assert own not in message and "notes" not in message, message
-        assert ("max_bytes" in message) == (max_bytes is not None), message
+        lines = [
+            (r.getMessage(), r.levelno)
+            for r in caplog_vllm.records
+            if "are in the root" in r.getMessage()
+        ]
+        assert len(lines) == 2, lines
+        (same, same_level), (other, other_level) = lines
+        assert "6 other layout(s) of this model" in same and same_level == level
+        assert all(repr(old) in same for old in olds[:5]), same
+        assert repr(olds[5]) not in same and "and 1 more" in same, same
+        assert "1 other model(s)'" in other and other_level == logging.INFO
+        assert "'other_model_0123456789ab'" in other, other
+        for name in (own, *not_layouts):
+            assert name not in same + other, name
+        assert ("max_bytes" in same) == (max_bytes is not None), same
     assert os.path.exists(old_block)
 
 

@@ -68,9 +68,7 @@ import contextlib
 import errno
 import functools
 import json
-import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -83,6 +81,7 @@ try:
 except ImportError:
     _HAS_BATCH_LOOKUP_C = False
 
+import regex as re
 from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -181,28 +180,40 @@ class FsAsyncLookupManager(AsyncLookupManager):
         return (is_block_path(p) for p in paths)
 
 
-# how many other layouts' directories the start-up line names
-_OTHER_LAYOUTS_NAMED = 5
-# FileMapper's directories: <model>_<layout digest> (config.json), and
-# <model>_<layout digest>_r<rank> (the rank's blocks)
-_LAYOUT_DIR = re.compile(r"(.+_[0-9a-f]{12})(_r[0-9]+)?")
+# The most layout names a start-up line gives (then "and N more").
+_LAYOUTS_NAMED = 5
+# FileMapper's directories: <model>_<layout digest> (its config.json) and
+# <model>_<layout digest>_r<rank> (a rank's blocks).
+_LAYOUT_DIR = re.compile(r"(.+)_[0-9a-f]{12}(_r[0-9]+)?")
 
 
-def other_layouts(root_dir: str, base_path: str) -> list[str]:
-    """The layouts with directories in *root_dir* (one listing, no walk)
-    other than *base_path*'s: their <model>_<layout digest> names, sorted."""
+def other_layouts(root_dir: str, base_path: str) -> tuple[list[str], list[str]]:
+    """Return the `<model>_<layout digest>` names of the layouts with
+    directories in `root_dir` other than `base_path`'s, sorted: this model's,
+    then other models'. One listing, no walk; a listing that fails part way
+    returns what it saw."""
     own = os.path.basename(base_path)
-    others = set()
+    own_model = _LAYOUT_DIR.fullmatch(own)
+    same: set[str] = set()
+    other: set[str] = set()
     with contextlib.suppress(OSError), os.scandir(root_dir) as entries:
         for entry in entries:
             match = _LAYOUT_DIR.fullmatch(entry.name)
-            if (
-                match is not None
-                and match.group(1) != own
-                and entry.is_dir(follow_symlinks=False)
-            ):
-                others.add(match.group(1))
-    return sorted(others)
+            if match is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            name = entry.name.removesuffix(match.group(2) or "")
+            if name == own:
+                continue
+            model = match.group(1)
+            (same if own_model and model == own_model.group(1) else other).add(name)
+    return sorted(same), sorted(other)
+
+
+def _names(layouts: list[str]) -> str:
+    named = ", ".join(repr(name) for name in layouts[:_LAYOUTS_NAMED])
+    if len(layouts) > _LAYOUTS_NAMED:
+        named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
+    return named
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -503,25 +514,34 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        others = other_layouts(root_dir, self.file_mapper.base_path)
-        if others:
-            # e.g. an earlier run's (another version or tier setting): this
-            # tier never removes their files, so they stay until removed
-            named = ", ".join(others[:_OTHER_LAYOUTS_NAMED])
-            if len(others) > _OTHER_LAYOUTS_NAMED:
-                named += f" and {len(others) - _OTHER_LAYOUTS_NAMED} more"
-            logger.log(
-                logging.INFO if self._max_bytes is None else logging.WARNING,
-                "'%s' KV offload tier at %s: blocks of %d other layout(s) are "
-                "here (other models or parallelism, other tier settings, or an "
-                "earlier version's): %s (<name> and <name>_r<rank>). This "
-                "tier never reads or removes them%s: remove those no engine "
-                "uses",
+        same, other = other_layouts(root_dir, self.file_mapper.base_path)
+        # Never read, removed or counted in max_bytes here: an upgrade's old
+        # layout stays until someone removes it. Other models' are likely live.
+        counted = "" if self._max_bytes is None else ", nor counts them in max_bytes"
+        if same:
+            (logger.info if self._max_bytes is None else logger.warning)(
+                "'%s' KV offload tier at %s: directories of %d other "
+                "layout(s) of this model are in the root (another vLLM "
+                "version's, tier setting's or parallelism's): %s (<name> and "
+                "<name>_r<rank>; its config.json records the settings). This "
+                "tier never reads or removes them%s: if no engine uses one, "
+                "remove it.",
                 self.tier_type,
                 root_dir,
-                len(others),
-                named,
-                "" if self._max_bytes is None else ", nor counts them in max_bytes",
+                len(same),
+                _names(same),
+                counted,
+            )
+        if other:
+            logger.info(
+                "'%s' KV offload tier at %s: directories of %d other "
+                "model(s)' layouts are in the root: %s. This tier never reads "
+                "or removes them%s.",
+                self.tier_type,
+                root_dir,
+                len(other),
+                _names(other),
+                counted,
             )
 
     def _start_budget(
