@@ -15,7 +15,8 @@ through the tier and raw, and raw one file per chunk: the G rows at page-aligned
 written with one writev, loaded whole or one row per key by offset), then the cost of the
 tier's integrity check (the tier as configured by default where its default checks blocks, else
 with checksum "xxh3_64", vs the same tier with checksum "none" twice: the second "none" is an
-A/A control that shows the noise floor; rounds alternated).
+A/A control that shows the noise floor). Every section rotates its sides' order per round
+(common.round_order()): every side runs in every position.
 """
 
 import argparse
@@ -33,6 +34,7 @@ from common import (
     TMP,
     BenchError,
     fmt_bytes,
+    round_order,
     run_main,
     run_tasks,
     say,
@@ -338,7 +340,7 @@ class Point:
 def measure(point: Point, sides: list[str], rounds: int) -> dict:
     out = {s: {"store_s": [], "load_s": [], "store_cpu_s": [], "load_cpu_s": []} for s in sides}
     for r in range(rounds):
-        for side in sides if r % 2 == 0 else sides[::-1]:
+        for side in round_order(sides, r):
             try:
                 t_store, t_load = point.round_trip(side)
             except OSError as e:
@@ -428,7 +430,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
         }
         try:
             for r in range(rounds):
-                for side in sides if r % 2 == 0 else sides[::-1]:
+                for side in round_order(sides, r):
                     t_store, t_load = points[side].round_trip("tier")
                     record(res[side], points[side], t_store, t_load)
             hash_floor = hash_once(points["on"], rounds)
@@ -479,8 +481,8 @@ def main() -> int:
     ap.add_argument(
         "--integrity-rounds",
         type=int,
-        default=3 if QUICK else 7,
-        help="rounds of the integrity on/off comparison (alternated)",
+        default=3 if QUICK else 9,
+        help="rounds of the integrity on/off comparison (every side in every position)",
     )
     ap.add_argument(
         "--sections",
@@ -533,7 +535,8 @@ def main() -> int:
         # the goal rows also against raw writes that publish atomically (either way)
         sides = ["tier", "raw"] + (list(PUBLISH) if row_bytes == payload in GOAL_ROWS else [])
         try:
-            res = measure(point, sides, args.rounds)
+            # every side in every position at least once (round_order())
+            res = measure(point, sides, max(args.rounds, len(sides)))
         finally:
             point.close()
         results["rows"].append(
@@ -562,7 +565,7 @@ def main() -> int:
         )
         sides = ["tier", "raw", "chunk"] + (["raw_serial", "chunk_by_group"] if groups > 1 else [])
         try:
-            res = measure(point, sides, args.rounds)
+            res = measure(point, sides, max(args.rounds, len(sides)))
         finally:
             point.close()
         results["hma"].append(

@@ -18,7 +18,7 @@ import os
 import shutil
 import statistics
 
-from common import TMP, run_main, say
+from common import TMP, round_order, run_main, say
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -51,7 +51,7 @@ def main() -> int:
     res: dict[str, list] = {s: [] for s in sides}
     try:
         for r in range(args.rounds):
-            for side in sides if r % 2 == 0 else sides[::-1]:
+            for side in round_order(sides, r):
                 if side in versions:
                     fs_manager.store_block, fs_manager.load_block = versions[side]
                 t_store, t_load = point.round_trip("tier" if side in versions else "raw")

@@ -386,7 +386,7 @@ def integrity_lines(d: dict) -> list[str]:
         ]
     out = [
         f"Integrity check (the tier's `{setting}` setting; the figures above are with its "
-        "default): the tier checking blocks vs not, same rows, rounds alternated (the "
+        "default): the tier checking blocks vs not, same rows, the order rotating per round (the "
         "second 'off' is an A/A control). MB/s of payload: median (best); on / off: best "
         "(median).",
         "",
@@ -554,7 +554,8 @@ def rows_table(d: dict, goals: Goals, title: str, track: str = "") -> tuple[list
         "",
         f"{d['threads']} I/O threads on both sides (the tier: half read-, half "
         "write-priority, all serve either queue; jobs of 16 rows submitted at once), "
-        f"{d['rounds']} round(s), the same directory "
+        f"{d['rounds']} round(s) (at least one per side: the order rotates, so every side "
+        "runs in every position), the same directory "
         f"tree under `{d['dir']}` (directories made beforehand, files deleted between rounds, "
         "pages dropped before loads). Raw: open/write/close (open/readv/close) of the "
         "payload; the tier adds an existence check, a temporary file and a rename per block. "
