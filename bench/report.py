@@ -554,8 +554,8 @@ def rows_table(d: dict, goals: Goals, title: str, track: str = "") -> tuple[list
         "",
         f"{d['threads']} I/O threads on both sides (the tier: half read-, half "
         "write-priority, all serve either queue; jobs of 16 rows submitted at once), "
-        f"{d['rounds']} round(s) (at least one per side: the order rotates, so every side "
-        "runs in every position), the same directory "
+        f"{d['rounds']} round(s) (at least one per side, two per side for the goal rows: the "
+        "order rotates, so every side runs in every position), the same directory "
         f"tree under `{d['dir']}` (directories made beforehand, files deleted between rounds, "
         "pages dropped before loads). Raw: open/write/close (open/readv/close) of the "
         "payload; the tier adds an existence check, a temporary file and a rename per block. "
