@@ -76,9 +76,13 @@ class Goals:
     def __init__(self):
         self._lines: list[tuple[int, str]] = []
 
-    def add(self, name: str, met: bool | None, detail: str) -> None:
-        """met: True, False (not met), None (not measured by this run)."""
-        state = "not measured" if met is None else "met" if met else "NOT MET"
+    def add(self, name: str, met: bool | None, detail: str, noisy: bool = False) -> None:
+        """met: True, False (not met), None (not measured by this run); noisy: measured, but
+        this run's control differs by more than the goal's margin, so it judges nothing."""
+        if noisy:
+            state = "not judged (noise)"
+        else:
+            state = "not measured" if met is None else "met" if met else "NOT MET"
         number = re.match(r"goal (\d+)", name)
         order = int(number.group(1)) if number else 1
         self._lines.append((order, f"- **{state}**: {name}: {detail}"))
@@ -461,19 +465,32 @@ def goal_integrity(goals: Goals, d: dict, track: str = "", opt_in: bool = False)
     known = [(r, k) for r, k in items if r is not None]
     cheap = len(known) == 2 and all(r[0] >= GOAL_INTEGRITY for r, _ in known)
     aa = row.get("off_aa")
+    noisy = False
     if aa:  # the A/A control: the same "none" tier twice, the noise floor of the run
-        known += [
+        controls = [
             (tratio(off["store_s"], aa["store_s"]), "A/A store"),
             (tratio(off["load_s"], aa["load_s"]), "A/A load"),
         ]
-        known = [(r, k) for r, k in known if r is not None]
+        controls = [(r, k) for r, k in controls if r is not None]
+        # two identical sides further apart than the goal's margin: the run cannot tell a
+        # cost of that size from its noise, either way
+        noisy = any(not GOAL_INTEGRITY <= r[0] <= 1 / GOAL_INTEGRITY for r, _ in controls)
+        known += controls
     cpu = cpu_txt(row)
     goals.add(
         name,
         cheap and (opt_in or default not in ("none", "False", None)),
         f"default checksum {default!r}; "
         + "; ".join(f"{k}: {rtxt(r)}" for r, k in known)
-        + (f"; {cpu}" if cpu else ""),
+        + (f"; {cpu}" if cpu else "")
+        + (
+            f"; the A/A control is outside {GOAL_INTEGRITY:.2f}-{1 / GOAL_INTEGRITY:.2f}: "
+            "this run's noise exceeds the goal's margin (judge on the CPU per block, or "
+            "rerun on a quieter machine)"
+            if noisy
+            else ""
+        ),
+        noisy=noisy,
     )
 
 
