@@ -199,13 +199,12 @@ inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
   return 0;
 }
 
-// Whether `path` is a regular file of exactly `size` bytes (not a symlink).
-// Stores are atomic and write exactly one block, so anything else at the path
-// (an empty, truncated or longer file, a directory) is not a stored block.
-inline bool is_complete_block(const char* path, size_t size) {
-  struct stat st;
-  return lstat(path, &st) == 0 && S_ISREG(st.st_mode) &&
-         static_cast<size_t>(st.st_size) == size;
+// Whether `st` (an lstat of a block's path, so not a symlink) is a regular
+// file of exactly `size` bytes. Stores are atomic and write exactly one block,
+// so anything else at the path (an empty, truncated or longer file, a
+// directory) is not a stored block.
+inline bool is_complete_block(const struct stat& st, size_t size) {
+  return S_ISREG(st.st_mode) && static_cast<size_t>(st.st_size) == size;
 }
 
 // Whether the file at `path` (not followed if a link) has `value` as its
@@ -232,10 +231,10 @@ inline bool has_xattr_value(const char* path, const char* name,
 // is there and, with an `xattr_name`, holds this block's value (its MAC),
 // with a `crc`, this block's CRC32C: else a planted or damaged file, or one
 // restored without its xattrs, would be kept as this key's block.
-inline bool is_stored(const char* path, size_t size, const char* xattr_name,
-                      const void* xattr_value, size_t xattr_size,
-                      const unsigned char* crc) {
-  return is_complete_block(path, size) &&
+inline bool is_stored(const char* path, const struct stat& st, size_t size,
+                      const char* xattr_name, const void* xattr_value,
+                      size_t xattr_size, const unsigned char* crc) {
+  return is_complete_block(st, size) &&
          (xattr_name == nullptr ||
           has_xattr_value(path, xattr_name, xattr_value, xattr_size)) &&
          (crc == nullptr || has_xattr_value(path, kCrcXattr, crc, kCrcSize));
@@ -260,26 +259,30 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
     crc32c_bytes(src, size, crc_value);
     crc = crc_value;
   }
-  if (is_stored(dest_path, size, xattr_name, xattr_value, xattr_size, crc)) {
+  // A store costs its path lookups: the block's path is looked at once, and
+  // its directories only when the temp file cannot be created in them.
+  struct stat st;
+  const bool exists = lstat(dest_path, &st) == 0;
+  if (exists && is_stored(dest_path, st, size, xattr_name, xattr_value,
+                          xattr_size, crc)) {
     return 0;  // Already present. Anything else at the path is replaced.
-  }
-
-  if (const int err = ensure_parent_dirs(dest_path, dir_mode); err != 0) {
-    return err;
   }
 
   // A directory in the way cannot be replaced by a file: remove it if empty,
   // fail the store of this block if not.
-  struct stat st;
-  if (lstat(dest_path, &st) == 0 && S_ISDIR(st.st_mode) &&
-      rmdir(dest_path) != 0) {
+  if (exists && S_ISDIR(st.st_mode) && rmdir(dest_path) != 0) {
     return errno;
   }
 
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
-  const int fd =
-      open(tmp_path, O_CREAT | O_EXCL | O_WRONLY | O_TRUNC | o_direct_flag,
-           file_mode);
+  const int flags = O_CREAT | O_EXCL | O_WRONLY | O_TRUNC | o_direct_flag;
+  int fd = open(tmp_path, flags, file_mode);
+  if (fd < 0 && errno == ENOENT) {
+    if (const int err = ensure_parent_dirs(dest_path, dir_mode); err != 0) {
+      return err;
+    }
+    fd = open(tmp_path, flags, file_mode);
+  }
   if (fd < 0) {
     return errno;
   }
@@ -321,8 +324,10 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
     // A file name stands for one block, so a complete file already in place
     // (holding this block's xattr value, if any) holds this block and the
     // store is done.
-    return err == EEXIST && is_stored(dest_path, size, xattr_name, xattr_value,
-                                      xattr_size, crc)
+    struct stat now;
+    return err == EEXIST && lstat(dest_path, &now) == 0 &&
+                   is_stored(dest_path, now, size, xattr_name, xattr_value,
+                             xattr_size, crc)
                ? 0
                : err;
   }
