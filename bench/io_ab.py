@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""The 0.22.1 fs_python tier's store and load with two versions of its io.py, side by side:
-the installed one ("after") and one from a file ("before"), e.g. the io.py of the commit before
-a change (the figures patch 0036 of patches/0.22.1 cites).
+"""The fs tier's store and load with two versions of its I/O code, side by side: the installed
+one ("after") and one from a file ("before"), e.g. the code of the commit before a change.
+
+0.22.1 (the fs_python tier): --before is an io.py, its store_block/load_block swapped in (the
+figures patches 0036 and 0038 of patches/0.22.1 cite). 0.33.0 (run with .venv-0.33.0): --before
+is a csrc/fs_io.cpp, compiled here with g++ and its batch store/load swapped in for the
+installed fs_io_C's (the figures patch 0025 of patches/0.33.0 cites).
 
 One tier (bench/disk_bench.py's Point: 16 I/O threads, O_DIRECT, the journal committed before
-each timed store, the pages dropped before each load), store_block/load_block swapped in per
-round; rounds interleaved with raw file-per-block I/O, the order alternating. Per block: median
-wall and process CPU; tier / raw per round, median and best. The load average is printed.
+each timed store, the pages dropped before each load), the version swapped in per round;
+rounds interleaved with raw file-per-block I/O, the order rotating. Per block: median wall and
+process CPU; tier / raw and after / before per round, median and best. The load average is
+printed.
 
     git -C build/vllm show HEAD~2:vllm/v1/kv_offload/tiering/fs/io.py > /tmp/io_before.py
     .venv/bin/python bench/io_ab.py --before /tmp/io_before.py [--row-kib 64] [--rounds 10]
+    git -C build/vllm-0.33.0 show HEAD~1:csrc/fs_io.cpp > /tmp/fs_io_before.cpp
+    .venv-0.33.0/bin/python bench/io_ab.py --before /tmp/fs_io_before.cpp
 """
 
 import argparse
@@ -17,35 +24,82 @@ import importlib.util
 import os
 import shutil
 import statistics
+import subprocess
+import sysconfig
 
-from common import TMP, round_order, run_main, say
+from common import TMP, BenchError, round_order, run_main, say
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import disk_bench  # noqa: E402
+from vllm.v1.kv_offload.tiering.fs import io as fs_io  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager  # noqa: E402
+
+
+def python_versions(path: str) -> tuple[dict, object]:
+    """0.22.1: the manager's store_block/load_block, installed and from *path*."""
+    spec = importlib.util.spec_from_file_location("io_before", path)
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    versions = {
+        "before": (before.store_block, before.load_block),
+        "after": (fs_manager.store_block, fs_manager.load_block),
+    }
+
+    def use(pair) -> None:
+        fs_manager.store_block, fs_manager.load_block = pair
+
+    return versions, use
+
+
+def compiled_versions(path: str) -> tuple[dict, object]:
+    """0.33.0: fs_io_C's batch store/load, installed and compiled from *path*."""
+    if not fs_io.has_compiled_io():
+        raise BenchError("this tier does its I/O without fs_io_C: nothing to compare a .cpp with")
+    so = TMP / "io_ab_before" / "fs_io_C.so"
+    so.parent.mkdir(parents=True, exist_ok=True)
+    include = sysconfig.get_paths()["include"]
+    cmd = ["g++", "-O2", "-shared", "-fPIC", "-std=c++17", "-DPy_LIMITED_API=0x030B0000"]
+    r = subprocess.run([*cmd, f"-I{include}", path, "-o", str(so)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BenchError(
+            f"compiling {path} failed (g++ and Python's headers are needed):\n{r.stderr[-2000:]}"
+        )
+    # the init function is named after the last part of the module's name: fs_io_C
+    spec = importlib.util.spec_from_file_location("vllm.fs_io_C", so)
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    versions = {
+        "before": (before.batch_store_block, before.batch_load_block),
+        "after": (fs_io.batch_store_block_C, fs_io.batch_load_block_C),
+    }
+
+    def use(pair) -> None:
+        fs_io.batch_store_block_C, fs_io.batch_load_block_C = pair
+
+    return versions, use
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="the io.py to compare with the installed one")
+    ap.add_argument(
+        "--before", required=True, help="the io.py (0.22.1) or fs_io.cpp (0.33.0) to compare"
+    )
     ap.add_argument("--row-kib", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=0, help="default: 128 MiB of rows, <= 2048")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("io_before", args.before)
-    before = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before)
+    compiled = args.before.endswith(".cpp")
+    versions, use = (compiled_versions if compiled else python_versions)(args.before)
     size = args.row_kib << 10
     n = args.blocks or min(2048, (128 << 20) // size)
     root = TMP / "io_ab"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    say(f"io_ab: {n} blocks of {args.row_kib} KiB, {args.rounds} rounds, load {os.getloadavg()}")
-    versions = {
-        "before": (before.store_block, before.load_block),
-        "after": (fs_manager.store_block, fs_manager.load_block),
-    }
+    say(
+        f"io_ab: {n} blocks of {args.row_kib} KiB, {args.rounds} rounds, "
+        f"{'fs_io_C' if compiled else 'io.py'} before vs installed, load {os.getloadavg()}"
+    )
     point = disk_bench.Point(str(root), size, size, n, 1, 16)
     sides = ["before", "after", "raw"]
     res: dict[str, list] = {s: [] for s in sides}
@@ -53,11 +107,11 @@ def main() -> int:
         for r in range(args.rounds):
             for side in round_order(sides, r):
                 if side in versions:
-                    fs_manager.store_block, fs_manager.load_block = versions[side]
+                    use(versions[side])
                 t_store, t_load = point.round_trip("tier" if side in versions else "raw")
                 res[side].append((t_store, t_load, *point.cpu))
     finally:
-        fs_manager.store_block, fs_manager.load_block = versions["after"]
+        use(versions["after"])
         point.close()
     us = 1e6 / n
     for side in sides:
@@ -66,13 +120,18 @@ def main() -> int:
             f"  {side:6s} store {m[0]:6.1f} us (CPU {m[2]:6.1f}) | "
             f"load {m[1]:6.1f} us (CPU {m[3]:6.1f})"
         )
-    for side in ("before", "after"):
-        for phase, i in (("store", 0), ("load", 1)):
+    for phase, i in (("store", 0), ("load", 1)):
+        for side in ("before", "after"):
             ratios = [res["raw"][k][i] / res[side][k][i] for k in range(args.rounds)]
             say(
                 f"  {side:6s} {phase:5s} tier / raw: median {statistics.median(ratios):.2f}, "
                 f"best {max(ratios):.2f}"
             )
+        ratios = [res["before"][k][i] / res["after"][k][i] for k in range(args.rounds)]
+        say(
+            f"  after / before {phase:5s} throughput: median {statistics.median(ratios):.2f}, "
+            f"best {max(ratios):.2f}"
+        )
     say(f"io_ab: load {os.getloadavg()}")
     return 0
 

@@ -9,6 +9,7 @@ judged on them; the ratio of medians says how steady that is.
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import time
@@ -42,6 +43,40 @@ def tratio(a, b):
     if not a or not b:
         return None
     return min(a) / min(b), med(a) / med(b)
+
+
+def paired(a, b, coverage: float = 0.90):
+    """a / b per round, for two sides whose samples were taken round by round (a round runs
+    its sides back to back): (median, low, high, the interval's coverage), the interval the
+    distribution-free one of the median (order statistics). None when missing.
+
+    A small cost cannot be told by best or median alone on a shared machine: the disk's
+    state drifts between rounds, and a ratio within each round cancels the drift."""
+    if not a or not b or len(a) != len(b):
+        return None
+    ratios = sorted(x / y for x, y in zip(a, b, strict=True))
+    n = len(ratios)
+    # the widest k whose [k-th, (n+1-k)-th] interval still has the coverage asked for
+    k, tail = 0, 0.0
+    for j in range(n // 2):
+        tail += math.comb(n, j) / 2**n
+        if 1 - 2 * tail < coverage:
+            break
+        k = j + 1
+    if k == 0:  # too few rounds for that coverage: all of them
+        lo, hi, got = ratios[0], ratios[-1], 1 - 2 / 2**n
+    else:
+        lo, hi = ratios[k - 1], ratios[n - k]
+        got = 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
+    return statistics.median(ratios), lo, hi, got
+
+
+def ptxt(p, bold: bool = False) -> str:
+    """A paired() ratio: median [low-high]."""
+    if p is None:
+        return "n/a"
+    m = f"**{p[0]:.2f}**" if bold else f"{p[0]:.2f}"
+    return f"{m} [{p[1]:.2f}-{p[2]:.2f}]"
 
 
 def over(a, b):
@@ -390,24 +425,31 @@ def integrity_lines(d: dict) -> list[str]:
         ]
     out = [
         f"Integrity check (the tier's `{setting}` setting; the figures above are with its "
-        "default): the tier checking blocks vs not, same rows, the order rotating per round (the "
-        "second 'off' is an A/A control). MB/s of payload: median (best); on / off: best "
-        "(median).",
+        "default): the tier checking blocks vs not, same rows, the three sides of a round back "
+        "to back, the order rotating per round (the second 'off' is an A/A control). MB/s of "
+        "payload: median (best); on / off and A/A: the median of the per-round ratios "
+        "[its 90% interval], in throughput.",
         "",
-        "| row | blocks | checksum | store on | store off | on / off | load on | load off "
-        "| on / off |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| row | blocks | rounds | checksum | store on | store off | on / off | A/A | load on "
+        "| load off | on / off | A/A |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in d["integrity"]:
         nbytes = r["row_bytes"] * r["blocks"]
         on, off = r["on"], r["off"]
         ck = r["checksum"] or {}
+        aa = r.get("off_aa", {})
+        cells = []
+        for op in ("store_s", "load_s"):
+            cells += [
+                tput(nbytes, on[op]),
+                tput(nbytes, off[op]),
+                ptxt(paired(off[op], on[op]), bold=True),
+                ptxt(paired(off[op], aa.get(op))),
+            ]
         out.append(
-            f"| {r['label']} | {r['blocks']} | {ck.get('algorithm')} "
-            f"({where(ck)}) | {tput(nbytes, on['store_s'])} | "
-            f"{tput(nbytes, off['store_s'])} | {rcell(tratio(off['store_s'], on['store_s']))} | "
-            f"{tput(nbytes, on['load_s'])} | {tput(nbytes, off['load_s'])} | "
-            f"{rcell(tratio(off['load_s'], on['load_s']))} |"
+            f"| {r['label']} | {r['blocks']} | {len(on['store_s'])} | {ck.get('algorithm')} "
+            f"({where(ck)}) | " + " | ".join(cells) + " |"
         )
     out += [""] + [f"- {r['label']}: {cpu_txt(r)}" for r in d["integrity"] if cpu_txt(r)]
     return out
@@ -457,31 +499,32 @@ def goal_integrity(goals: Goals, d: dict, track: str = "", opt_in: bool = False)
     if row is None:
         goals.add(name, None, f"default {default!r}; on / off not measured in this run")
         return
-    on, off = row["on"], row["off"]
+    on, off, aa = row["on"], row["off"], row.get("off_aa", {})
+    # judged per round (paired()): the three sides of a round run back to back, so the
+    # ratio within a round cancels the disk's drift that best or median alone would keep
     items = [
-        (tratio(off["store_s"], on["store_s"]), "store on / off"),
-        (tratio(off["load_s"], on["load_s"]), "load on / off"),
+        (paired(off["store_s"], on["store_s"]), "store on / off"),
+        (paired(off["load_s"], on["load_s"]), "load on / off"),
     ]
-    known = [(r, k) for r, k in items if r is not None]
-    cheap = len(known) == 2 and all(r[0] >= GOAL_INTEGRITY for r, _ in known)
-    aa = row.get("off_aa")
-    noisy = False
-    if aa:  # the A/A control: the same "none" tier twice, the noise floor of the run
-        controls = [
-            (tratio(off["store_s"], aa["store_s"]), "A/A store"),
-            (tratio(off["load_s"], aa["load_s"]), "A/A load"),
-        ]
-        controls = [(r, k) for r, k in controls if r is not None]
-        # two identical sides further apart than the goal's margin: the run cannot tell a
-        # cost of that size from its noise, either way
-        noisy = any(not GOAL_INTEGRITY <= r[0] <= 1 / GOAL_INTEGRITY for r, _ in controls)
-        known += controls
+    controls = [
+        (paired(off["store_s"], aa.get("store_s")), "A/A store"),
+        (paired(off["load_s"], aa.get("load_s")), "A/A load"),
+    ]
+    known = [(p, k) for p, k in items if p is not None]
+    cheap = len(known) == 2 and all(p[0] >= GOAL_INTEGRITY for p, _ in known)
+    controls = [(p, k) for p, k in controls if p is not None]
+    # two identical sides further apart than the goal's margin: the run cannot tell a cost
+    # of that size from its noise, either way
+    noisy = any(not GOAL_INTEGRITY <= p[0] <= 1 / GOAL_INTEGRITY for p, _ in controls)
+    rounds = len(on["store_s"])
+    coverage = known[0][0][3] if known else 0.0
     cpu = cpu_txt(row)
     goals.add(
         name,
         cheap and (opt_in or default not in ("none", "False", None)),
-        f"default checksum {default!r}; "
-        + "; ".join(f"{k}: {rtxt(r)}" for r, k in known)
+        f"default checksum {default!r}; {rounds} rounds, the median of the per-round ratios "
+        f"[its {100 * coverage:.0f}% interval]: "
+        + "; ".join(f"{k}: {ptxt(p)}" for p, k in known + controls)
         + (f"; {cpu}" if cpu else "")
         + (
             f"; the A/A control is outside {GOAL_INTEGRITY:.2f}-{1 / GOAL_INTEGRITY:.2f}: "
