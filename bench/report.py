@@ -425,7 +425,8 @@ def integrity_lines(d: dict) -> list[str]:
         ]
     out = [
         f"Integrity check (the tier's `{setting}` setting; the figures above are with its "
-        "default): the tier checking blocks vs not, same rows, the three sides of a round back "
+        "default): the tier checking blocks vs not, same rows; one tier, its check switched "
+        "per side (the same directories, buffer and threads), the three sides of a round back "
         "to back, the order rotating per round (the second 'off' is an A/A control). MB/s of "
         "payload: median (best); on / off and A/A: the median of the per-round ratios "
         "[its 90% interval], in throughput.",
