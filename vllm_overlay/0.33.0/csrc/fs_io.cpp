@@ -199,10 +199,10 @@ inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
   return 0;
 }
 
-// Whether `st` (an lstat of a block's path, so not a symlink) is a regular
-// file of exactly `size` bytes. Stores are atomic and write exactly one block,
-// so anything else at the path (an empty, truncated or longer file, a
-// directory) is not a stored block.
+// Whether `st` (from lstat of a block's path: a symlink is seen as one, not
+// followed) is a regular file of exactly `size` bytes. Stores are atomic and
+// write exactly one block, so anything else at the path (an empty, truncated
+// or longer file, a directory) is not a stored block.
 inline bool is_complete_block(const struct stat& st, size_t size) {
   return S_ISREG(st.st_mode) && static_cast<size_t>(st.st_size) == size;
 }
@@ -243,11 +243,12 @@ inline bool is_stored(const char* path, const struct stat& st, size_t size,
 // Core single-block store: src/size are raw pointer + byte count. Returns 0
 // on success, or the errno of the failing step on failure -- captured
 // before any subsequent cleanup call can overwrite it. On failure, the temp
-// file is removed. Files are created with exactly `file_mode` (fchmod after
-// open, whatever the umask), directories with `dir_mode`. With an
-// `xattr_name`, `xattr_value` is set on the temp file before the rename (the
-// block's MAC: the file appears with it); with `checksum`, the block's CRC32C
-// likewise (kCrcXattr).
+// file is removed. `tmp_path` is in `dest_path`'s directory: the directories
+// are created when the temp file cannot be (ENOENT). Files are created with
+// exactly `file_mode` (fchmod after open, whatever the umask), directories
+// with `dir_mode`. With an `xattr_name`, `xattr_value` is set on the temp
+// file before the rename (the block's MAC: the file appears with it); with
+// `checksum`, the block's CRC32C likewise (kCrcXattr).
 inline int _store_block(const char* tmp_path, const char* dest_path,
                         const char* src, size_t size, bool use_o_direct,
                         mode_t file_mode, mode_t dir_mode,
@@ -259,8 +260,8 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
     crc32c_bytes(src, size, crc_value);
     crc = crc_value;
   }
-  // A store costs its path lookups: the block's path is looked at once, and
-  // its directories only when the temp file cannot be created in them.
+  // One lstat decides both whether the block is stored and whether a
+  // directory is in the way.
   struct stat st;
   const bool exists = lstat(dest_path, &st) == 0;
   if (exists && is_stored(dest_path, st, size, xattr_name, xattr_value,
@@ -324,8 +325,11 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
     // A file name stands for one block, so a complete file already in place
     // (holding this block's xattr value, if any) holds this block and the
     // store is done.
+    if (err != EEXIST) {
+      return err;
+    }
     struct stat now;
-    return err == EEXIST && lstat(dest_path, &now) == 0 &&
+    return lstat(dest_path, &now) == 0 &&
                    is_stored(dest_path, now, size, xattr_name, xattr_value,
                              xattr_size, crc)
                ? 0
@@ -546,7 +550,8 @@ static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
 }
 
 /// @brief Store a batch of blocks, each from its own buffer, to disk.
-/// @param tmp_paths    list[str] – one temp path per block.
+/// @param tmp_paths    list[str] – one temp path per block, in its
+///                     block's directory.
 /// @param dest_paths   list[str] – one destination path per block.
 /// @param buffers      list[bytes-like] – one source buffer per block.
 /// @param use_o_direct bool – whether to open files with O_DIRECT

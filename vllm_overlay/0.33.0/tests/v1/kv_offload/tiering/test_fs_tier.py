@@ -1685,3 +1685,37 @@ def test_blocks_of_another_kv_cache_layout_are_never_read(tmp_path):
     finally:
         for tier in tiers:
             tier.shutdown()
+
+
+def test_c_store_creates_missing_directories_and_keeps_a_stored_block(tmp_path):
+    """fs_io_C's store creates a block's missing directories (with exactly
+    dir_mode) when its temp file cannot be created there, stores the next
+    block into the directory that now exists, and keeps a block already
+    stored."""
+    try:
+        from vllm.fs_io_C import batch_store_block as batch_store_block_C
+    except ImportError:
+        pytest.skip("fs_io_C extension not built")
+    size = 4096
+    buf = mmap.mmap(-1, 2 * size)
+    view = memoryview(buf)
+    view[:size] = b"a" * size
+    view[size:] = b"b" * size
+    block_dir = tmp_path / "x" / "y"
+    first, second = (str(block_dir / f"{i}.bin") for i in range(2))
+
+    def store(path: str, data: memoryview) -> None:
+        batch_store_block_C([path + ".tmp"], [path], [data], False, 0o600, 0o700)
+
+    store(first, view[:size])
+    for d in (tmp_path / "x", block_dir):
+        assert os.stat(d).st_mode & 0o777 == 0o700
+    store(second, view[size:])
+    store(first, view[size:])  # a complete block is there: kept
+    with open(first, "rb") as f:
+        assert f.read() == b"a" * size
+    with open(second, "rb") as f:
+        assert f.read() == b"b" * size
+    assert sorted(os.listdir(block_dir)) == ["0.bin", "1.bin"]
+    view.release()
+    buf.close()
