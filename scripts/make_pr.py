@@ -22,6 +22,7 @@ VLLM_VERSION selects the track; by default the newest pinned release with a seri
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -56,6 +57,7 @@ from _lib import (  # noqa: E402
     run_main, run_quiet, say, series_dir, vllm_version,
 )
 from apply import AM_ARGS, conflicting_files  # noqa: E402
+from make_wheel import NATIVE, compile_native  # noqa: E402
 from export_patches import FORMAT_PATCH_ARGS  # noqa: E402
 
 UNITS_FILE = "pr-units.toml"
@@ -400,7 +402,10 @@ def touched_by_track(checkout: Path, tag: str) -> set[str]:
 
 def build_site(out: Path, repo: Path, rev: str, touched: set[str]) -> Path:
     """The venv's vllm package, hard-linked, with every touched vllm/ file as `rev` has it
-    (removed where rev has none): what worktree_site.py / unpatched_site.py build."""
+    (removed where rev has none): what worktree_site.py / unpatched_site.py build. The
+    native modules a series may change (make_wheel.NATIVE) are compiled from `rev`'s source,
+    or removed where rev has none: the venv's are the whole series', which would let a
+    C-path test pass on the tag."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     shutil.copytree(site_packages_dir() / "vllm", out / "vllm", copy_function=os.link,
@@ -412,7 +417,22 @@ def build_site(out: Path, repo: Path, rev: str, touched: set[str]) -> Path:
         if r.returncode == 0:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(r.stdout)
+    for src, module in NATIVE.items():
+        dest = out / module
+        dest.unlink(missing_ok=True)
+        r = subprocess.run(["git", "show", f"{rev}:{src}"], cwd=repo, capture_output=True)
+        if r.returncode == 0:
+            dest.write_bytes(compiled_native(src, r.stdout))
     return out
+
+
+def compiled_native(src: str, code: bytes) -> bytes:
+    """compile_native(), cached by the source's digest (units share most sources)."""
+    cached = PR_ROOT / "native" / f"{hashlib.sha256(code).hexdigest()[:16]}-{Path(src).stem}.so"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_bytes(compile_native(src, code))
+    return cached.read_bytes()
 
 
 def prepare_testroot(repo: Path, rev: str, out: Path) -> None:
@@ -790,8 +810,6 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
 
 # ----------------------------------------------------------------------------- main
 def results_key(head: str, unit: Unit, hooks_cfg: str) -> str:
-    import hashlib
-
     stamp = VENV / "hma-wheel.json"
     h = hashlib.sha256()
     for part in (head, "\0".join(unit.tests), hooks_cfg,

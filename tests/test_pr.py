@@ -483,3 +483,31 @@ def test_a_units_measurement_is_folded_into_details_and_left_unchanged():
     shown = re.sub(r"<details>.*?</details>", " ", md, flags=re.S)
     assert body.strip().splitlines()[0] not in shown  # folded, not counted in the 400 words
     assert words == kit.visible_words(md) <= kit.VISIBLE_WORDS
+
+
+def test_sites_hold_the_native_module_of_their_revision(tmp_path, monkeypatch):
+    """The before and after sites hold the native module built from that revision's source,
+    never the venv's (the whole series': a C-path test would pass on the tag), and none
+    where the revision has no source."""
+    venv_vllm = tmp_path / "venv" / "vllm"
+    venv_vllm.mkdir(parents=True)
+    (venv_vllm / "__init__.py").write_text("")
+    (venv_vllm / "fs_io_C.abi3.so").write_bytes(b"the series' module")
+    monkeypatch.setattr(kit, "site_packages_dir", lambda: tmp_path / "venv")
+    monkeypatch.setattr(kit, "PR_ROOT", tmp_path / "pr")
+    monkeypatch.setattr(kit, "compile_native", lambda src, code: b"built from " + code)
+    repo = tmp_path / "repo"
+    (repo / "csrc").mkdir(parents=True)
+    git(repo, "init", "-q")
+    (repo / "csrc" / "fs_io.cpp").write_bytes(b"the tag's source")
+    commit(repo, "with")
+    git(repo, "tag", "with")
+    (repo / "csrc" / "fs_io.cpp").unlink()
+    (repo / "README").write_text("x")
+    commit(repo, "without")
+    site = kit.build_site(tmp_path / "site-with", repo, "with", set())
+    assert (site / "vllm" / "fs_io_C.abi3.so").read_bytes() == b"built from the tag's source"
+    assert (venv_vllm / "fs_io_C.abi3.so").read_bytes() == b"the series' module"
+    site = kit.build_site(tmp_path / "site-without", repo, "HEAD", set())
+    assert not (site / "vllm" / "fs_io_C.abi3.so").exists()
+    assert (site / "vllm" / "__init__.py").exists()
