@@ -22,7 +22,6 @@ VLLM_VERSION selects the track; by default the newest pinned release with a seri
 """
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -57,7 +56,7 @@ from _lib import (  # noqa: E402
     run_main, run_quiet, say, series_dir, vllm_version,
 )
 from apply import AM_ARGS, conflicting_files  # noqa: E402
-from make_wheel import NATIVE, compile_native  # noqa: E402
+from make_wheel import NATIVE, compile_native_cached  # noqa: E402
 from export_patches import FORMAT_PATCH_ARGS  # noqa: E402
 
 UNITS_FILE = "pr-units.toml"
@@ -422,17 +421,8 @@ def build_site(out: Path, repo: Path, rev: str, touched: set[str]) -> Path:
         dest.unlink(missing_ok=True)
         r = subprocess.run(["git", "show", f"{rev}:{src}"], cwd=repo, capture_output=True)
         if r.returncode == 0:
-            dest.write_bytes(compiled_native(src, r.stdout))
+            dest.write_bytes(compile_native_cached(src, r.stdout))
     return out
-
-
-def compiled_native(src: str, code: bytes) -> bytes:
-    """compile_native(), cached by the source's digest (units share most sources)."""
-    cached = PR_ROOT / "native" / f"{hashlib.sha256(code).hexdigest()[:16]}-{Path(src).stem}.so"
-    if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_bytes(compile_native(src, code))
-    return cached.read_bytes()
 
 
 def prepare_testroot(repo: Path, rev: str, out: Path) -> None:
@@ -810,6 +800,8 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
 
 # ----------------------------------------------------------------------------- main
 def results_key(head: str, unit: Unit, hooks_cfg: str) -> str:
+    import hashlib
+
     stamp = VENV / "hma-wheel.json"
     h = hashlib.sha256()
     for part in (head, "\0".join(unit.tests), hooks_cfg,

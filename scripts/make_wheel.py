@@ -30,6 +30,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -93,6 +94,18 @@ def compile_native(src: str, code: bytes) -> bytes:
             raise UserError(f"the series changes {src}, and compiling it failed (g++ and the "
                             f"Python headers are needed):\n{r.stderr[-2000:]}")
         return so.read_bytes()
+
+
+def compile_native_cached(src: str, code: bytes) -> bytes:
+    """compile_native(), cached under build/native/ by the source's digest (the sites of
+    make pr and worktree_site.py build the same sources again and again)."""
+    cached = BUILD / "native" / f"{hashlib.sha256(code).hexdigest()[:16]}-{Path(src).stem}.so"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(compile_native(src, code))
+        tmp.replace(cached)  # whole or absent, whoever else builds it meanwhile
+    return cached.read_bytes()
 
 
 def build(pin: dict, tgt: str, pristine: bool = False) -> Path:

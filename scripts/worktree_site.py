@@ -6,7 +6,8 @@ edits included, without reinstalling the venv: the fast loop while writing a pat
 
 The folder (build/worktree-site-<checkout name>) holds hard links to the track venv's
 installed vllm package (its compiled parts included), except the vllm/ files the work tree
-changes or adds against the pristine tag, which are copied from it. `make patches` is still
+changes or adds against the pristine tag, which are copied from it, and the native modules
+whose source the tree has (csrc/fs_io.cpp), compiled from it (cached in build/native/). `make patches` is still
 what makes a change part of the series (and `make test` tests only that).
 
 Usage: worktree_site.py [CHECKOUT]   (default: the selected track's checkout)
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from _lib import BUILD, ROOT, VENV, UserError, checkout_dir, load_pin, run_main
 from _series import changed_vllm_files, site_packages
+from make_wheel import NATIVE, compile_native_cached
 
 
 def build(repo: Path) -> Path:
@@ -37,6 +39,10 @@ def build(repo: Path) -> Path:
         if (repo / path).exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(repo / path, dest)
+    for src, module in NATIVE.items():  # the tree's C sources, compiled (the venv's may differ)
+        (out / module).unlink(missing_ok=True)
+        if (repo / src).exists():
+            (out / module).write_bytes(compile_native_cached(src, (repo / src).read_bytes()))
     # stderr: stdout is the path alone, for PYTHONPATH=$(...)
     print(f"==> {out.relative_to(ROOT)}: {VENV.name}'s vllm with {len(changed)} file(s) of "
           f"{repo}", file=sys.stderr)

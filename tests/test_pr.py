@@ -494,8 +494,7 @@ def test_sites_hold_the_native_module_of_their_revision(tmp_path, monkeypatch):
     (venv_vllm / "__init__.py").write_text("")
     (venv_vllm / "fs_io_C.abi3.so").write_bytes(b"the series' module")
     monkeypatch.setattr(kit, "site_packages_dir", lambda: tmp_path / "venv")
-    monkeypatch.setattr(kit, "PR_ROOT", tmp_path / "pr")
-    monkeypatch.setattr(kit, "compile_native", lambda src, code: b"built from " + code)
+    monkeypatch.setattr(kit, "compile_native_cached", lambda src, code: b"built from " + code)
     repo = tmp_path / "repo"
     (repo / "csrc").mkdir(parents=True)
     git(repo, "init", "-q")
@@ -511,3 +510,30 @@ def test_sites_hold_the_native_module_of_their_revision(tmp_path, monkeypatch):
     site = kit.build_site(tmp_path / "site-without", repo, "HEAD", set())
     assert not (site / "vllm" / "fs_io_C.abi3.so").exists()
     assert (site / "vllm" / "__init__.py").exists()
+
+
+def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
+    """worktree_site.py's site holds fs_io_C built from the work tree's csrc/fs_io.cpp,
+    uncommitted edits included, never the venv's; none where the tree has no source."""
+    import worktree_site
+
+    venv_vllm = tmp_path / "venv" / "vllm"
+    venv_vllm.mkdir(parents=True)
+    (venv_vllm / "fs_io_C.abi3.so").write_bytes(b"the installed module")
+    monkeypatch.setattr(worktree_site, "site_packages", lambda: tmp_path / "venv")
+    monkeypatch.setattr(worktree_site, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(worktree_site, "ROOT", tmp_path)
+    monkeypatch.setattr(worktree_site, "load_pin", lambda: {"tag": "v1"})
+    monkeypatch.setattr(worktree_site, "changed_vllm_files", lambda repo, tag: [])
+    monkeypatch.setattr(
+        worktree_site, "compile_native_cached", lambda src, code: b"built from " + code
+    )
+    repo = tmp_path / "vllm"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "csrc").mkdir()
+    (repo / "csrc" / "fs_io.cpp").write_bytes(b"an uncommitted edit")
+    site = worktree_site.build(repo)
+    assert (site / "vllm" / "fs_io_C.abi3.so").read_bytes() == b"built from an uncommitted edit"
+    assert (venv_vllm / "fs_io_C.abi3.so").read_bytes() == b"the installed module"
+    (repo / "csrc" / "fs_io.cpp").unlink()
+    assert not (worktree_site.build(repo) / "vllm" / "fs_io_C.abi3.so").exists()
