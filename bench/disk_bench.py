@@ -457,7 +457,6 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
                 "checksum": described,
                 "tier_direct": point.direct,
                 "hash_once_s": hash_floor,
-                "one_tier": True,
                 **res,
             }
         )

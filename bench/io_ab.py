@@ -24,10 +24,9 @@ import importlib.util
 import os
 import shutil
 import statistics
-import subprocess
-import sysconfig
+import sys
 
-from common import TMP, BenchError, round_order, run_main, say
+from common import ROOT, TMP, BenchError, round_order, run_main, say
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -36,48 +35,52 @@ from vllm.v1.kv_offload.tiering.fs import io as fs_io  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager  # noqa: E402
 
 
+def swapped(target, names: tuple[str, str], before) -> tuple[dict, object]:
+    """The store/load pair *names* of *target* as installed ("after") and as *before* has
+    them (the same names, or fs_io_C's where *before* is that module), and a function that
+    puts a pair in place."""
+    own = names if hasattr(before, names[0]) else ("batch_store_block", "batch_load_block")
+    versions = {
+        "before": tuple(getattr(before, n) for n in own),
+        "after": tuple(getattr(target, n) for n in names),
+    }
+
+    def use(pair) -> None:
+        for name, function in zip(names, pair, strict=True):
+            setattr(target, name, function)
+
+    return versions, use
+
+
 def python_versions(path: str) -> tuple[dict, object]:
     """0.22.1: the manager's store_block/load_block, installed and from *path*."""
     spec = importlib.util.spec_from_file_location("io_before", path)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)
-    versions = {
-        "before": (before.store_block, before.load_block),
-        "after": (fs_manager.store_block, fs_manager.load_block),
-    }
-
-    def use(pair) -> None:
-        fs_manager.store_block, fs_manager.load_block = pair
-
-    return versions, use
+    return swapped(fs_manager, ("store_block", "load_block"), before)
 
 
 def compiled_versions(path: str) -> tuple[dict, object]:
-    """0.33.0: fs_io_C's batch store/load, installed and compiled from *path*."""
+    """0.33.0: fs_io_C's batch store/load, installed and compiled from *path* (as make
+    wheel compiles it, scripts/make_wheel.py)."""
     if not fs_io.has_compiled_io():
         raise BenchError("this tier does its I/O without fs_io_C: nothing to compare a .cpp with")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _lib import UserError
+    from make_wheel import compile_native_cached
+
     so = TMP / "io_ab_before" / "fs_io_C.so"
     so.parent.mkdir(parents=True, exist_ok=True)
-    include = sysconfig.get_paths()["include"]
-    cmd = ["g++", "-O2", "-shared", "-fPIC", "-std=c++17", "-DPy_LIMITED_API=0x030B0000"]
-    r = subprocess.run([*cmd, f"-I{include}", path, "-o", str(so)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise BenchError(
-            f"compiling {path} failed (g++ and Python's headers are needed):\n{r.stderr[-2000:]}"
-        )
+    with open(path, "rb") as f:
+        try:
+            so.write_bytes(compile_native_cached("csrc/fs_io.cpp", f.read()))
+        except UserError as e:
+            raise BenchError(f"{path}: {e}") from None
     # the init function is named after the last part of the module's name: fs_io_C
     spec = importlib.util.spec_from_file_location("vllm.fs_io_C", so)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)
-    versions = {
-        "before": (before.batch_store_block, before.batch_load_block),
-        "after": (fs_io.batch_store_block_C, fs_io.batch_load_block_C),
-    }
-
-    def use(pair) -> None:
-        fs_io.batch_store_block_C, fs_io.batch_load_block_C = pair
-
-    return versions, use
+    return swapped(fs_io, ("batch_store_block_C", "batch_load_block_C"), before)
 
 
 def main() -> int:
