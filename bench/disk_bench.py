@@ -166,6 +166,16 @@ class Point:
             raise OSError("the fs tier reported a failed job")
         return took
 
+    def unchecked_tier_io(self, is_load: bool) -> float:
+        """tier_io() with the tier's integrity check off (as raw I/O checks nothing): the
+        tier's own cost, which goal 2 judges; goal 4 prices the check itself."""
+        check = self.tier._checksum
+        self.tier._checksum = False if isinstance(check, bool) else None
+        try:
+            return self.tier_io(is_load)
+        finally:
+            self.tier._checksum = check
+
     # -- raw file-per-block I/O, same threads
     def raw_io(self, is_load: bool, serial_chunks: bool = False, publish: str = "") -> float:
         """publish: how each store makes its file appear whole, as any atomic publish must
@@ -294,6 +304,7 @@ class Point:
         """Store every row, drop it from memory, load it back and check it; (store s, load s)."""
         paths = {
             "tier": self.tier_paths,
+            "tier_nocheck": self.tier_paths,
             "chunk": self.chunk_paths,
             "chunk_by_group": self.chunk_paths,
         }.get(side, self.raw_paths)
@@ -308,6 +319,8 @@ class Point:
         os.sync()
         if side == "tier":
             io = self.tier_io
+        elif side == "tier_nocheck":
+            io = self.unchecked_tier_io
         elif side.startswith("chunk"):
             io = lambda is_load: self.chunk_io(is_load, by_group=side == "chunk_by_group")  # noqa: E731
         else:
@@ -443,6 +456,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
                     record(res[side], point, t_store, t_load)
             point.tier._checksum = check
             hash_floor = hash_once(point, min(row_rounds, 6))
+            read_floor = read_once(point, min(row_rounds, 6))
         finally:
             point.close()
         if isinstance(check, bool):  # 0.33.0: checksum_blocks
@@ -457,10 +471,24 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
                 "checksum": described,
                 "tier_direct": point.direct,
                 "hash_once_s": hash_floor,
+                "read_once_s": read_floor,
+                "cpus": os.cpu_count(),
                 **res,
             }
         )
     return out
+
+
+def read_once(point: Point, rounds: int) -> list[float]:
+    """Seconds to read every byte of *point*'s rows once right after a load (numpy, one
+    pass): the floor of any check that reads the whole block, whatever its hash."""
+    times = []
+    for _ in range(rounds):
+        point.round_trip("tier")  # the rows come fresh from the disk; not timed here
+        t0 = time.process_time()
+        np.bitwise_xor.reduce(point.arr.view(np.uint64), axis=None)
+        times.append(time.process_time() - t0)
+    return times
 
 
 def hash_once(point: Point, rounds: int) -> list[float]:
@@ -540,10 +568,13 @@ def main() -> int:
         point = Point(
             str(root / f"rows-{row_bytes}-{payload}"), row_bytes, payload, n, 1, args.threads
         )
-        # the goal rows also against raw writes that publish atomically (either way)
-        sides = ["tier", "raw"] + (list(PUBLISH) if row_bytes == payload in GOAL_ROWS else [])
+        # the goal rows also against raw writes that publish atomically (either way), and
+        # the tier without its default check, if it checks (goal 2: the tier's own cost)
+        goal_row = row_bytes == payload in GOAL_ROWS
+        unchecked = ["tier_nocheck"] if goal_row and point.tier._checksum else []
+        sides = ["tier", "raw"] + (unchecked + list(PUBLISH) if goal_row else [])
         # every side in every position at least once (round_order()); the goal rows twice
-        rounds = max(args.rounds, len(sides) * (2 if row_bytes == payload in GOAL_ROWS else 1))
+        rounds = max(args.rounds, len(sides) * (2 if goal_row else 1))
         try:
             res = measure(point, sides, rounds)
         finally:

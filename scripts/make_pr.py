@@ -56,7 +56,7 @@ from _lib import (  # noqa: E402
     run_main, run_quiet, say, series_dir, vllm_version,
 )
 from apply import AM_ARGS, conflicting_files  # noqa: E402
-from make_wheel import NATIVE, compile_native_cached  # noqa: E402
+from make_wheel import place_native  # noqa: E402
 from export_patches import FORMAT_PATCH_ARGS  # noqa: E402
 
 UNITS_FILE = "pr-units.toml"
@@ -412,17 +412,18 @@ def build_site(out: Path, repo: Path, rev: str, touched: set[str]) -> Path:
     for path in sorted(touched):
         dest = out / path
         dest.unlink(missing_ok=True)  # a hard link into the venv: never write through it
-        r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True)
-        if r.returncode == 0:
+        code = git_show(repo, rev, path)
+        if code is not None:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(r.stdout)
-    for src, module in NATIVE.items():
-        dest = out / module
-        dest.unlink(missing_ok=True)
-        r = subprocess.run(["git", "show", f"{rev}:{src}"], cwd=repo, capture_output=True)
-        if r.returncode == 0:
-            dest.write_bytes(compile_native_cached(src, r.stdout))
+            dest.write_bytes(code)
+    place_native(out, lambda src: git_show(repo, rev, src))
     return out
+
+
+def git_show(repo: Path, rev: str, path: str) -> bytes | None:
+    """*path* as *rev* has it, or None where rev has no such file."""
+    r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True)
+    return r.stdout if r.returncode == 0 else None
 
 
 def prepare_testroot(repo: Path, rev: str, out: Path) -> None:

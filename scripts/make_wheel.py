@@ -38,6 +38,7 @@ import sysconfig
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from _lib import BUILD, UserError, Timer, checkout_dir, load_pin, run_main, say, target
@@ -106,6 +107,18 @@ def compile_native_cached(src: str, code: bytes) -> bytes:
         tmp.write_bytes(compile_native(src, code))
         tmp.replace(cached)  # whole or absent, whoever else builds it meanwhile
     return cached.read_bytes()
+
+
+def place_native(site: Path, source: Callable[[str], bytes | None]) -> None:
+    """Each native module a series may change (NATIVE) in *site*, compiled from source(src),
+    or removed where that is None: a site's copy of the venv's module is the whole series',
+    not the revision's or work tree's it stands for."""
+    for src, module in NATIVE.items():
+        dest = site / module
+        dest.unlink(missing_ok=True)
+        code = source(src)
+        if code is not None:
+            dest.write_bytes(compile_native_cached(src, code))
 
 
 def build(pin: dict, tgt: str, pristine: bool = False) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _lib import BUILD, ROOT, VENV, UserError, checkout_dir, load_pin, run_main
 from _series import changed_vllm_files, site_packages
-from make_wheel import NATIVE, compile_native_cached
+from make_wheel import place_native
 
 
 def build(repo: Path) -> Path:
@@ -39,10 +39,8 @@ def build(repo: Path) -> Path:
         if (repo / path).exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(repo / path, dest)
-    for src, module in NATIVE.items():  # the tree's C sources, compiled (the venv's may differ)
-        (out / module).unlink(missing_ok=True)
-        if (repo / src).exists():
-            (out / module).write_bytes(compile_native_cached(src, (repo / src).read_bytes()))
+    # the tree's C sources, compiled (the venv's may differ)
+    place_native(out, lambda src: (repo / src).read_bytes() if (repo / src).exists() else None)
     # stderr: stdout is the path alone, for PYTHONPATH=$(...)
     print(f"==> {out.relative_to(ROOT)}: {VENV.name}'s vllm with {len(changed)} file(s) of "
           f"{repo}", file=sys.stderr)

@@ -494,7 +494,9 @@ def test_sites_hold_the_native_module_of_their_revision(tmp_path, monkeypatch):
     (venv_vllm / "__init__.py").write_text("")
     (venv_vllm / "fs_io_C.abi3.so").write_bytes(b"the series' module")
     monkeypatch.setattr(kit, "site_packages_dir", lambda: tmp_path / "venv")
-    monkeypatch.setattr(kit, "compile_native_cached", lambda src, code: b"built from " + code)
+    import make_wheel
+
+    monkeypatch.setattr(make_wheel, "compile_native_cached", lambda src, code: b"built from " + code)
     repo = tmp_path / "repo"
     (repo / "csrc").mkdir(parents=True)
     git(repo, "init", "-q")
@@ -515,6 +517,7 @@ def test_sites_hold_the_native_module_of_their_revision(tmp_path, monkeypatch):
 def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
     """worktree_site.py's site holds fs_io_C built from the work tree's csrc/fs_io.cpp,
     uncommitted edits included, never the venv's; none where the tree has no source."""
+    import make_wheel
     import worktree_site
 
     venv_vllm = tmp_path / "venv" / "vllm"
@@ -525,9 +528,7 @@ def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
     monkeypatch.setattr(worktree_site, "ROOT", tmp_path)
     monkeypatch.setattr(worktree_site, "load_pin", lambda: {"tag": "v1"})
     monkeypatch.setattr(worktree_site, "changed_vllm_files", lambda repo, tag: [])
-    monkeypatch.setattr(
-        worktree_site, "compile_native_cached", lambda src, code: b"built from " + code
-    )
+    monkeypatch.setattr(make_wheel, "compile_native_cached", lambda src, code: b"built from " + code)
     repo = tmp_path / "vllm"
     (repo / ".git").mkdir(parents=True)
     (repo / "csrc").mkdir()
