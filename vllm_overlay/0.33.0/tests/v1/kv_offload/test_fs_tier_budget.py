@@ -62,6 +62,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.request import Request
@@ -1131,6 +1132,55 @@ def test_other_layouts_in_the_root_are_named_at_start(tmp_path, caplog_vllm):
             assert name not in same + other, name
         assert ("max_bytes" in same) == (max_bytes is not None), same
     assert os.path.exists(old_block)
+
+
+def test_other_layouts_are_named_least_recently_marked_in_use_first(
+    tmp_path, caplog_vllm, monkeypatch
+):
+    """A running tier marks its layout in use (its config.json's mtime) at
+    start and every LAYOUT_MARK_INTERVAL_S until shutdown, and the start-up
+    line names the other layouts least recently marked first, each with its
+    age: an operator tells a layout nobody runs from another engine's."""
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05, raising=False)
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    root = str(tmp_path)
+    first = make_tier(root, rows)
+    config = first.file_mapper.get_config_file_path()
+    old = time.time() - 10 * 86400
+    try:
+        os.utime(config, (old, old))
+        deadline = time.monotonic() + 10
+        while os.stat(config).st_mtime == old:
+            assert time.monotonic() < deadline, "the layout was not marked again"
+            time.sleep(0.01)
+    finally:
+        first.shutdown()
+    os.utime(config, (old, old))
+    time.sleep(0.3)
+    assert os.stat(config).st_mtime == old  # no mark after shutdown
+    model = os.path.basename(first.file_mapper.base_path)[:-13]
+    now = time.time()
+    expected = [f"'{model}_{9:012x}' (no config.json)"]
+    os.makedirs(os.path.join(root, f"{model}_{9:012x}"))
+    for i, (age_s, age) in enumerate(
+        ((40 * 86400, "40 days"), (3 * 3600, "3 h"), (5 * 60, "5 min")), 1
+    ):
+        other = os.path.join(root, f"{model}_{i:012x}", "config.json")
+        os.makedirs(os.path.dirname(other))
+        open(other, "w").close()
+        os.utime(other, (now - age_s, now - age_s))
+        expected.append(f"'{model}_{i:012x}' (marked in use {age} ago)")
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0, raising=False)
+    with caplog_vllm.at_level(logging.INFO):
+        make_tier(root, rows).shutdown()
+    (line,) = [
+        r.getMessage()
+        for r in caplog_vllm.records
+        if "other layout(s) of this model" in r.getMessage()
+    ]
+    positions = [line.find(name) for name in expected]
+    assert -1 not in positions and positions == sorted(positions), line
+    assert os.stat(config).st_mtime > old + 86400  # marked at start
 
 
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):

@@ -61,7 +61,9 @@ Budget (the tier config's "max_bytes", unbounded by default):
     store that cannot fit fails for the keys that do not. Existing files are
     indexed at start, in the background. See budget.py. The root's other
     layouts (an earlier version's, another model's) are not counted: they
-    are named at start, for their owner to remove.
+    are named at start, for their owner to remove, each with when an engine
+    last marked it in use (a running tier sets its config.json's mtime
+    hourly), so that a layout nobody runs is told from a live one.
 """
 
 import contextlib
@@ -182,6 +184,10 @@ class FsAsyncLookupManager(AsyncLookupManager):
 
 # The most layout names a start-up line gives (then "and N more").
 _LAYOUTS_NAMED = 5
+# A running tier sets its config.json's mtime to now at start and then every
+# so often: a layout whose mark is older has no engine of this version
+# running on it, which another engine's start-up line says (_names()).
+LAYOUT_MARK_INTERVAL_S = 3600.0
 # FileMapper's directories: <model>_<layout digest> (its config.json) and
 # <model>_<layout digest>_r<rank> (a rank's blocks).
 _LAYOUT_DIR = re.compile(r"(.+)_[0-9a-f]{12}(_r[0-9]+)?")
@@ -209,8 +215,34 @@ def other_layouts(root_dir: str, base_path: str) -> tuple[list[str], list[str]]:
     return sorted(same), sorted(other)
 
 
-def _names(layouts: list[str]) -> str:
-    named = ", ".join(repr(name) for name in layouts[:_LAYOUTS_NAMED])
+def _layout_age_s(root_dir: str, name: str, config_name: str) -> float | None:
+    """Seconds since an engine last marked layout *name* in use (its
+    config.json's mtime: LAYOUT_MARK_INTERVAL_S), or None without one."""
+    path = os.path.join(root_dir, name, config_name)
+    try:
+        return max(0.0, time.time() - os.stat(path, follow_symlinks=False).st_mtime)
+    except OSError:
+        return None
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "no config.json"
+    if seconds < 2 * 3600:
+        return f"marked in use {seconds / 60:.0f} min ago"
+    if seconds < 2 * 86400:
+        return f"marked in use {seconds / 3600:.0f} h ago"
+    return f"marked in use {seconds / 86400:.0f} days ago"
+
+
+def _names(root_dir: str, layouts: list[str], config_name: str) -> str:
+    """The layouts, least recently marked in use first (those without a
+    config.json before them), each with its age."""
+    aged = sorted(
+        ((_layout_age_s(root_dir, name, config_name), name) for name in layouts),
+        key=lambda a: (a[0] is not None, -(a[0] or 0.0), a[1]),
+    )
+    named = ", ".join(f"{n!r} ({_age(a)})" for a, n in aged[:_LAYOUTS_NAMED])
     if len(layouts) > _LAYOUTS_NAMED:
         named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
     return named
@@ -514,7 +546,17 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
+        # Mark this layout in use, now and while the tier runs (a thread).
+        self._stop_marking = threading.Event()
+        self._marker = threading.Thread(
+            target=self._mark_layout_in_use,
+            args=(root_dir,),
+            name="vllm_kv_py_fs_layout_mark",
+            daemon=True,
+        )
+        self._marker.start()
         same, other = other_layouts(root_dir, self.file_mapper.base_path)
+        config_name = os.path.basename(self.file_mapper.get_config_file_path())
         # Never read, removed or counted in max_bytes here: an upgrade's old
         # layout stays until someone removes it. Other models' are likely live.
         counted = "" if self._max_bytes is None else ", nor counts them in max_bytes"
@@ -525,12 +567,14 @@ class FileSystemTierManager(SecondaryTierManager):
                 "version's, tier setting's or parallelism's): %s (<name> and "
                 "<name>_r<rank>; its config.json records the settings). This "
                 "tier never reads or removes them%s: if no engine uses one, "
-                "remove it.",
+                "remove it (engines of this version mark theirs in use every "
+                "%.0f min).",
                 self.tier_type,
                 root_dir,
                 len(same),
-                _names(same),
+                _names(root_dir, same, config_name),
                 counted,
+                LAYOUT_MARK_INTERVAL_S / 60,
             )
         if other:
             logger.info(
@@ -540,7 +584,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 self.tier_type,
                 root_dir,
                 len(other),
-                _names(other),
+                _names(root_dir, other, config_name),
                 counted,
             )
 
@@ -624,6 +668,27 @@ class FileSystemTierManager(SecondaryTierManager):
             os.fchmod(fd, self._modes.file)  # exact, whatever the umask
             f.write(config)
         return True
+
+    def _mark_layout_in_use(self, root_dir: str) -> None:
+        """Set config.json's mtime to now, at start and every
+        LAYOUT_MARK_INTERVAL_S until shutdown: what tells another engine
+        sharing the root that this layout is in use. A failed mark says so
+        (at most once an interval): the layout would look unused."""
+        path = self.file_mapper.get_config_file_path()
+        while True:
+            try:
+                os.utime(path, follow_symlinks=False)
+            except OSError as e:
+                logger.warning(
+                    "'%s' KV offload tier at %s: could not mark its layout in "
+                    "use (%s): other engines sharing the root will see it as "
+                    "unused",
+                    self.tier_type,
+                    root_dir,
+                    e,
+                )
+            if self._stop_marking.wait(LAYOUT_MARK_INTERVAL_S):
+                return
 
     def _store_and_keep_config(self, store: Callable[[], None]) -> None:
         """Run a store task (on an I/O thread), then re-create config.json if
@@ -1134,6 +1199,8 @@ class FileSystemTierManager(SecondaryTierManager):
         """
         self._tmp_cleanup_stop.set()
         self._tmp_cleanup.join()
+        self._stop_marking.set()
+        self._marker.join()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
         if self._budget is not None:
