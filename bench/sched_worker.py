@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
 )
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
-from common import vllm_fingerprint  # noqa: E402
+from common import freeze_heap, vllm_fingerprint  # noqa: E402
 from fakes import BLOCK_SIZE, fake_spec  # noqa: E402
 
 ROW_BYTES = 64  # the scheduler side never touches the rows' bytes
@@ -304,6 +304,7 @@ def main() -> None:
     case_phases(64, True)
     case_phases(64, False)
     case_cold(64, 1)
+    freeze_heap()  # as the engine does once started
     import vllm
 
     path = os.path.dirname(vllm.__file__)
