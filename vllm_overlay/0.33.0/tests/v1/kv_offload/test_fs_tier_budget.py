@@ -1134,43 +1134,41 @@ def test_other_layouts_in_the_root_are_named_at_start(tmp_path, caplog_vllm):
     assert os.path.exists(old_block)
 
 
-def test_other_layouts_are_named_least_recently_marked_in_use_first(
+def test_other_layouts_are_named_least_recently_used_first(
     tmp_path, caplog_vllm, monkeypatch
 ):
-    """A running tier marks its layout in use (its config.json's mtime) at
+    """A running tier marks its layout in use (its directory's mtime) at
     start and every LAYOUT_MARK_INTERVAL_S until shutdown, and the start-up
-    line names the other layouts least recently marked first, each with its
-    age: an operator tells a layout nobody runs from another engine's."""
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05, raising=False)
+    line names the other layouts least recently used first, each with how
+    long ago: an operator tells a layout nobody runs from another engine's."""
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05)
     rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
     root = str(tmp_path)
     first = make_tier(root, rows)
-    config = first.file_mapper.get_config_file_path()
-    old = time.time() - 10 * 86400
+    layout_dir = first.file_mapper.base_path
+    old = int(time.time()) - 10 * 86400
     try:
-        os.utime(config, (old, old))
-        deadline = time.monotonic() + 10
-        while os.stat(config).st_mtime == old:
-            assert time.monotonic() < deadline, "the layout was not marked again"
-            time.sleep(0.01)
+        for _ in range(2):  # marked again and again, not only at start
+            os.utime(layout_dir, (old, old))
+            deadline = time.monotonic() + 10
+            while os.stat(layout_dir).st_mtime == old:
+                assert time.monotonic() < deadline, "the layout was not marked again"
+                time.sleep(0.01)
     finally:
         first.shutdown()
-    os.utime(config, (old, old))
-    time.sleep(0.3)
-    assert os.stat(config).st_mtime == old  # no mark after shutdown
-    model = os.path.basename(first.file_mapper.base_path)[:-13]
-    now = time.time()
-    expected = [f"'{model}_{9:012x}' (no config.json)"]
-    os.makedirs(os.path.join(root, f"{model}_{9:012x}"))
+    assert not first._marker.is_alive()
+    model = os.path.basename(layout_dir)[:-13]  # FileMapper's <model>_<digest>
+    now = int(time.time())
+    expected = []
     for i, (age_s, age) in enumerate(
         ((40 * 86400, "40 days"), (3 * 3600, "3 h"), (5 * 60, "5 min")), 1
     ):
-        other = os.path.join(root, f"{model}_{i:012x}", "config.json")
-        os.makedirs(os.path.dirname(other))
-        open(other, "w").close()
+        other = os.path.join(root, f"{model}_{i:012x}")
+        os.makedirs(other)
         os.utime(other, (now - age_s, now - age_s))
-        expected.append(f"'{model}_{i:012x}' (marked in use {age} ago)")
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0, raising=False)
+        expected.append(f"'{model}_{i:012x}' (last used {age} ago)")
+    os.utime(layout_dir, (old, old))
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
     with caplog_vllm.at_level(logging.INFO):
         make_tier(root, rows).shutdown()
     (line,) = [
@@ -1180,7 +1178,8 @@ def test_other_layouts_are_named_least_recently_marked_in_use_first(
     ]
     positions = [line.find(name) for name in expected]
     assert -1 not in positions and positions == sorted(positions), line
-    assert os.stat(config).st_mtime > old + 86400  # marked at start
+    assert "mark theirs every 60 min" in line, line
+    assert os.stat(layout_dir).st_mtime > old + 86400  # marked at start
 
 
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):

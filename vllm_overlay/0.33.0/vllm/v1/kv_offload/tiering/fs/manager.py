@@ -61,9 +61,9 @@ Budget (the tier config's "max_bytes", unbounded by default):
     store that cannot fit fails for the keys that do not. Existing files are
     indexed at start, in the background. See budget.py. The root's other
     layouts (an earlier version's, another model's) are not counted: they
-    are named at start, for their owner to remove, each with when an engine
-    last marked it in use (a running tier sets its config.json's mtime
-    hourly), so that a layout nobody runs is told from a live one.
+    are named at start, for their owner to remove, least recently used
+    first, with how long ago (a running tier sets its layout directory's
+    mtime hourly), so that a layout nobody runs is told from a live one.
 """
 
 import contextlib
@@ -184,10 +184,14 @@ class FsAsyncLookupManager(AsyncLookupManager):
 
 # The most layout names a start-up line gives (then "and N more").
 _LAYOUTS_NAMED = 5
-# A running tier sets its config.json's mtime to now at start and then every
-# so often: a layout whose mark is older has no engine of this version
+# A running tier sets its layout directory's mtime (<model>_<layout digest>,
+# its config.json's) to now every so often, and an engine's start changes it
+# too (the O_DIRECT probe): a layout whose mtime is older has no engine
 # running on it, which another engine's start-up line says (_names()).
 LAYOUT_MARK_INTERVAL_S = 3600.0
+# A mark that keeps failing is reported at the first failure and then once
+# every so many intervals, with the count.
+_MARK_FAILURES_REPORTED_EVERY = 24
 # FileMapper's directories: <model>_<layout digest> (its config.json) and
 # <model>_<layout digest>_r<rank> (a rank's blocks).
 _LAYOUT_DIR = re.compile(r"(.+)_[0-9a-f]{12}(_r[0-9]+)?")
@@ -215,34 +219,30 @@ def other_layouts(root_dir: str, base_path: str) -> tuple[list[str], list[str]]:
     return sorted(same), sorted(other)
 
 
-def _layout_age_s(root_dir: str, name: str, config_name: str) -> float | None:
-    """Seconds since an engine last marked layout *name* in use (its
-    config.json's mtime: LAYOUT_MARK_INTERVAL_S), or None without one."""
-    path = os.path.join(root_dir, name, config_name)
-    try:
-        return max(0.0, time.time() - os.stat(path, follow_symlinks=False).st_mtime)
-    except OSError:
-        return None
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "no config.json"
+def _age(seconds: float) -> str:
     if seconds < 2 * 3600:
-        return f"marked in use {seconds / 60:.0f} min ago"
+        return f"{seconds / 60:.0f} min"
     if seconds < 2 * 86400:
-        return f"marked in use {seconds / 3600:.0f} h ago"
-    return f"marked in use {seconds / 86400:.0f} days ago"
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
-def _names(root_dir: str, layouts: list[str], config_name: str) -> str:
-    """The layouts, least recently marked in use first (those without a
-    config.json before them), each with its age."""
-    aged = sorted(
-        ((_layout_age_s(root_dir, name, config_name), name) for name in layouts),
-        key=lambda a: (a[0] is not None, -(a[0] or 0.0), a[1]),
+def _names(root_dir: str, layouts: list[str]) -> str:
+    """The layouts, least recently used first (their directory's mtime,
+    see LAYOUT_MARK_INTERVAL_S), each with how long ago."""
+    mtimes = {}
+    for name in layouts:
+        with contextlib.suppress(OSError):
+            path = os.path.join(root_dir, name)
+            mtimes[name] = os.stat(path, follow_symlinks=False).st_mtime
+    now = time.time()
+    aged = sorted(layouts, key=lambda n: (n in mtimes, mtimes.get(n, 0.0), n))
+    named = ", ".join(
+        f"{n!r} (last used {_age(max(0.0, now - mtimes[n]))} ago)"
+        if n in mtimes
+        else repr(n)
+        for n in aged[:_LAYOUTS_NAMED]
     )
-    named = ", ".join(f"{n!r} ({_age(a)})" for a, n in aged[:_LAYOUTS_NAMED])
     if len(layouts) > _LAYOUTS_NAMED:
         named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
     return named
@@ -546,17 +546,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        # Mark this layout in use, now and while the tier runs (a thread).
-        self._stop_marking = threading.Event()
-        self._marker = threading.Thread(
-            target=self._mark_layout_in_use,
-            args=(root_dir,),
-            name="vllm_kv_py_fs_layout_mark",
-            daemon=True,
-        )
-        self._marker.start()
         same, other = other_layouts(root_dir, self.file_mapper.base_path)
-        config_name = os.path.basename(self.file_mapper.get_config_file_path())
         # Never read, removed or counted in max_bytes here: an upgrade's old
         # layout stays until someone removes it. Other models' are likely live.
         counted = "" if self._max_bytes is None else ", nor counts them in max_bytes"
@@ -567,12 +557,12 @@ class FileSystemTierManager(SecondaryTierManager):
                 "version's, tier setting's or parallelism's): %s (<name> and "
                 "<name>_r<rank>; its config.json records the settings). This "
                 "tier never reads or removes them%s: if no engine uses one, "
-                "remove it (engines of this version mark theirs in use every "
+                "remove it (running engines of this version mark theirs every "
                 "%.0f min).",
                 self.tier_type,
                 root_dir,
                 len(same),
-                _names(root_dir, same, config_name),
+                _names(root_dir, same),
                 counted,
                 LAYOUT_MARK_INTERVAL_S / 60,
             )
@@ -584,9 +574,18 @@ class FileSystemTierManager(SecondaryTierManager):
                 self.tier_type,
                 root_dir,
                 len(other),
-                _names(root_dir, other, config_name),
+                _names(root_dir, other),
                 counted,
             )
+        # Mark this layout in use while the tier runs (a thread of its own).
+        self._stop_marking = threading.Event()
+        self._marker = threading.Thread(
+            target=self._mark_layout_in_use,
+            args=(root_dir,),
+            name="vllm_kv_py_fs_layout_mark",
+            daemon=True,
+        )
+        self._marker.start()
 
     def _start_budget(
         self,
@@ -670,23 +669,38 @@ class FileSystemTierManager(SecondaryTierManager):
         return True
 
     def _mark_layout_in_use(self, root_dir: str) -> None:
-        """Set config.json's mtime to now, at start and every
+        """Set the layout directory's mtime to now, at start and every
         LAYOUT_MARK_INTERVAL_S until shutdown: what tells another engine
-        sharing the root that this layout is in use. A failed mark says so
-        (at most once an interval): the layout would look unused."""
-        path = self.file_mapper.get_config_file_path()
+        sharing the root that this layout is in use (the directory, not
+        config.json: on a group_access root the group may write it). A
+        failing mark is reported at once, then with its count every
+        _MARK_FAILURES_REPORTED_EVERY intervals: the layout looks unused."""
+        layout_dir = os.path.dirname(self.file_mapper.get_config_file_path())
+        failures = 0
         while True:
             try:
-                os.utime(path, follow_symlinks=False)
+                os.utime(layout_dir, follow_symlinks=False)
+                if failures:
+                    logger.info(
+                        "'%s' KV offload tier at %s: marks its layout in use "
+                        "again after %d failure(s)",
+                        self.tier_type,
+                        root_dir,
+                        failures,
+                    )
+                failures = 0
             except OSError as e:
-                logger.warning(
-                    "'%s' KV offload tier at %s: could not mark its layout in "
-                    "use (%s): other engines sharing the root will see it as "
-                    "unused",
-                    self.tier_type,
-                    root_dir,
-                    e,
-                )
+                if failures % _MARK_FAILURES_REPORTED_EVERY == 0:
+                    logger.warning(
+                        "'%s' KV offload tier at %s: could not mark its layout "
+                        "in use (%d time(s) in a row; %s): other engines "
+                        "sharing the root see it as unused",
+                        self.tier_type,
+                        root_dir,
+                        failures + 1,
+                        e,
+                    )
+                failures += 1
             if self._stop_marking.wait(LAYOUT_MARK_INTERVAL_S):
                 return
 
@@ -1198,8 +1212,8 @@ class FileSystemTierManager(SecondaryTierManager):
         clearing pending tasks and waiting for active threads to complete.
         """
         self._tmp_cleanup_stop.set()
-        self._tmp_cleanup.join()
         self._stop_marking.set()
+        self._tmp_cleanup.join()
         self._marker.join()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
