@@ -121,8 +121,13 @@ class Server:
         if not self.online:
             env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                         "HF_DATASETS_OFFLINE": "1"})
+        # The CPU worker reserves one more core when a KV connector is configured: on a
+        # 2-core machine the reference arm computed with one OMP thread and the connector
+        # arms with two, and the different float sums flipped greedy tokens of a random tiny
+        # model (llama on an AMX machine, 2026-12-02). Every arm reserves the same core.
         env.update({"PYTHONHASHSEED": HASH_SEED,
                     "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         env.update(self.env)
         pp = self.pythonpath + [str(E2E)]
