@@ -1182,6 +1182,53 @@ def test_other_layouts_are_named_least_recently_used_first(
     assert os.stat(layout_dir).st_mtime > old + 86400  # marked at start
 
 
+def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
+    tmp_path, caplog_vllm, monkeypatch
+):
+    """A layout mark that keeps failing (a read-only root, another owner) is a
+    warning at the first failure and then once every
+    _MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
+    once it works again: never silent, and not a line per interval for ever."""
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.01)
+    real_utime = os.utime
+    state = {"fail": False, "failures": 0}
+
+    def utime(*args, **kwargs):
+        if state["fail"]:
+            state["failures"] += 1
+            raise PermissionError(13, "Permission denied")
+        return real_utime(*args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", utime)
+
+    def messages(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog_vllm.records if text in r.getMessage()]
+
+    with caplog_vllm.at_level(logging.INFO):
+        tier = make_tier(str(tmp_path), _page_aligned_zero_tensor(2, _ROW_ELEMENTS))
+        try:
+            state["fail"] = True
+            deadline = time.monotonic() + 10
+            while state["failures"] < 30:
+                assert time.monotonic() < deadline, state
+                time.sleep(0.01)
+            state["fail"] = False
+            while not messages("again after"):
+                assert time.monotonic() < deadline + 10, "no line on recovery"
+                time.sleep(0.01)
+        finally:
+            tier.shutdown()
+    failures = state["failures"]
+    every = fs_manager._MARK_FAILURES_REPORTED_EVERY
+    warnings = messages("could not mark its layout in use")
+    assert len(warnings) == -(-failures // every) >= 2, (failures, warnings)
+    assert "(1 time(s) in a row; " in warnings[0], warnings
+    assert f"({every + 1} time(s) in a row; " in warnings[1], warnings
+    assert "Permission denied" in warnings[0], warnings
+    (recovered,) = messages("again after")
+    assert f"again after {failures} failure(s)" in recovered, recovered
+
+
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     """The keys kept for finding parents are bounded (MAX_TRACKED_KEYS, the
     least recently seen requests dropped first) and dropped when a request
