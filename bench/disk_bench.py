@@ -67,6 +67,12 @@ JOB_CHUNKS = 16  # chunks per job: a 4,096-token prompt in 256-token chunks
 PUBLISH = {"raw_atomic": "rename", "raw_linkat": "linkat"}
 
 
+def no_check(check):
+    """The value of a tier's _checksum that checks nothing: 0.33.0's bool, or 0.22.1's
+    check object (None)."""
+    return False if isinstance(check, bool) else None
+
+
 class Point:
     """One measured configuration: a primary buffer of `rows` rows, a tier and raw files."""
 
@@ -170,7 +176,7 @@ class Point:
         """tier_io() with the tier's integrity check off (as raw I/O checks nothing): the
         tier's own cost, which goal 2 judges; goal 4 prices the check itself."""
         check = self.tier._checksum
-        self.tier._checksum = False if isinstance(check, bool) else None
+        self.tier._checksum = no_check(check)
         try:
             return self.tier_io(is_load)
         finally:
@@ -443,7 +449,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
             tier_config=integrity_config(),
         )
         check = point.tier._checksum
-        off = False if isinstance(check, bool) else None
+        off = no_check(check)
         res = {
             side: {"store_s": [], "load_s": [], "store_cpu_s": [], "load_cpu_s": []}
             for side in sides
