@@ -34,7 +34,10 @@ def fake_spec(num_groups: int, manager=None, model: str = "bench/model") -> Simp
         cache_config=SimpleNamespace(
             enable_prefix_caching=True, block_size=BLOCK_SIZE, cache_dtype="auto"
         ),
-        model_config=SimpleNamespace(model=model),
+        # what the fs tier's kv_values record reads (patch 0048)
+        model_config=SimpleNamespace(
+            model=model, revision=None, hf_config={}, dtype="float16", quantization=None
+        ),
     )
     return SimpleNamespace(
         vllm_config=vllm_config,

@@ -10,13 +10,16 @@ Pass: per-sample outputs identical across the arms, and the cold arm loaded bloc
 vllm:kv_offload_total_bytes{transfer_type="CPU_to_GPU"} Prometheus counter).
 
 Scenarios: base (num_concurrent 1), conc8 (num_concurrent 8), small (a CPU tier smaller than
-the working set, so the disk tier must serve what the CPU tier evicted).
+the working set, so the disk tier must serve what the CPU tier evicted); replaced and rope
+change the model at its path between warm and cold (new weights; a new rope_theta): there the
+cold arm must load nothing from disk and match the changed model's own noconn arm.
 
     python e2e/run_plan.py                       # the full CPU matrix (make e2e)
     python e2e/run_plan.py --models gemma3 llama --scenarios base
     python e2e/run_plan.py --unpatched           # pristine 0.22.1: HMA models must fail at start-up
 
-    python e2e/run_plan.py --ci                  # the CI subset (gemma3 + llama, base, 8 documents)
+    python e2e/run_plan.py --ci                  # the CI subset (gemma3 + llama base, gemma3
+                                                 # replaced + rope, 8 documents)
 
 VLLM_VERSION selects the track, as everywhere in the project: 0.22.1 (default, .venv) or
 0.33.0, the upstream track, which has no CPU build: its series' own Python tree runs over
@@ -50,6 +53,11 @@ SCENARIOS = {
     "base": {"num_concurrent": 1, "small": False},
     "conc8": {"num_concurrent": 8, "small": False},
     "small": {"num_concurrent": 1, "small": True},
+    # The model is changed at its path between the warm and the cold arm (new weights of the
+    # same shapes written over the old file; a new rope_theta in config.json): the cold arm
+    # must load nothing from disk and give the changed model's own output (its noconn arm).
+    "replaced": {"num_concurrent": 1, "small": False, "change": "weights"},
+    "rope": {"num_concurrent": 1, "small": False, "change": "rope"},
 }
 CPU_BYTES = 64 << 20          # large CPU tier: holds the whole working set
 SMALL_ROWS_PER_GROUP = 24     # small CPU tier: 24 rows per KV cache group, below the working set
@@ -68,7 +76,9 @@ TRACKS = {
 }
 # What CI runs (e2e/test_e2e.py, `VLLM_VERSION=0.33.0 make e2e`): the 4-group HMA model and
 # the single-group control through the three arms, 8 documents: about 10 min on 2 cores.
-CI_SUBSET = ["--models", "gemma3", "llama", "--scenarios", "base", "--num-test", "8"]
+# With the changed-model scenarios on the 4-group model only (six arms, about 8 min more).
+CI_SUBSET = ["--models", "gemma3", "llama", "--scenarios", "base", "replaced", "rope",
+             "--changed-models", "gemma3", "--num-test", "8"]
 
 
 @dataclass
@@ -155,7 +165,8 @@ def mixed_site(unpatched: bool) -> str:
 
 
 def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
-            num_concurrent: int, args, pythonpath: list[str]) -> ArmResult:
+            num_concurrent: int, args, pythonpath: list[str],
+            model_dir: Path | None = None) -> ArmResult:
     row = ArmResult(model, scenario, arm)
     log = run_dir / f"{arm}.server.log"
     t0 = time.monotonic()
@@ -167,7 +178,7 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
         # 16-token blocks as on GPUs (the CPU backend would pick 128): more blocks per prompt
         extra += ["--block-size", str(args.block_size), "--max-num-batched-tokens", "1024"]
     env = {"E2E_CORRUPT_LOADS": "1"} if (args.corrupt_loads and arm == "cold") else {}
-    server = Server(MODELS_DIR / model, log, kv_transfer_config=kv, extra_args=extra,
+    server = Server(model_dir or MODELS_DIR / model, log, kv_transfer_config=kv, extra_args=extra,
                     pythonpath=pythonpath, env=env)
     say(f"{model}/{scenario}/{arm}: starting server on port {server.port} (log {log})")
     try:
@@ -299,6 +310,81 @@ def run_scenario(model: str, scenario: str, args, pythonpath: list[str],
     return rows
 
 
+def change_model(model_dir: Path, change: str) -> None:
+    """Change the model at its path as an in-place update does: "weights" writes weights of
+    the same names, dtypes and shapes (so the same file size) over each safetensors file;
+    "rope" multiplies every rope_theta of config.json by 8."""
+    if change == "weights":
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        g = torch.Generator().manual_seed(1)
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                metadata = f.metadata()
+            tensors = {k: (torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5).to(t.dtype)
+                       if t.is_floating_point() and t.ndim >= 2 else t
+                       for k, t in load_file(path).items()}
+            size = path.stat().st_size
+            save_file(tensors, str(path), metadata=metadata)
+            assert path.stat().st_size == size, "the new weights must keep the file's size"
+        return
+
+    def scaled(value):
+        if isinstance(value, dict):
+            return {k: v * 8 if k == "rope_theta" else scaled(v) for k, v in value.items()}
+        return value
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    new = scaled(config)
+    if new == config:
+        raise SystemExit(f"{config_path} has no rope_theta to change")
+    config_path.write_text(json.dumps(new, indent=2))
+
+
+def run_changed_scenario(model: str, scenario: str, args, pythonpath: list[str]) -> list[ArmResult]:
+    """warm (the model as it was: fills the disk tier), the model changed at its path, noconn
+    (the changed model's own output) and cold (the changed model on the same disk tier).
+    PASS: the warm arm stored files, and the cold arm promoted no key from disk and matches
+    the changed model's own output. Pristine vLLM serves the old model's blocks here."""
+    run_dir = args.out / model / scenario
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    model_dir = run_dir / "model"
+    shutil.copytree(MODELS_DIR / model, model_dir)
+    kv = kv_config(run_dir / "fs", CPU_BYTES, gpu=args.gpu)
+    rows = [run_arm(model, scenario, "warm", run_dir, kv, 1, args, pythonpath, model_dir)]
+    change_model(model_dir, SCENARIOS[scenario]["change"])
+    if rows[0].ran():
+        for arm in ("noconn", "cold"):
+            rows.append(run_arm(model, scenario, arm, run_dir, None if arm == "noconn" else kv,
+                                1, args, pythonpath, model_dir))
+    warm, ref, cold = (rows + [None, None])[:3]
+    if ref is not None and ref.ran():
+        ref.parity = "reference"
+    if cold is not None and cold.ran() and ref is not None and ref.ran():
+        diff = [d for d in ref.samples_map if cold.samples_map.get(d) != ref.samples_map[d]]
+        cold.parity = "identical" if not diff and len(cold.samples_map) == len(ref.samples_map) \
+            else f"DIFF {len(diff)}/{len(ref.samples_map)}"
+    why = [f"{r.arm}: {r.status}" for r in rows if not r.ran()]
+    if len(rows) < 3 or cold is None:
+        why.append("the changed model's arms did not run")
+    else:
+        if not warm.fs_files:
+            why.append("warm arm stored no file")
+        if cold.parity != "identical":
+            why.append(f"cold arm {cold.parity} against the changed model's own output")
+        if cold.disk_keys:
+            why.append(f"cold arm promoted {cold.disk_keys} keys of the old model from disk")
+    for r in rows:
+        r.verdict = "FAIL" if why else "PASS"
+    if why:
+        say(f"{model}/{scenario}: FAIL ({'; '.join(why)})")
+    return rows
+
+
 def cell(x) -> str:
     return "-" if x is None else str(x)
 
@@ -357,6 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arm-timeout", type=float, default=None,
                     help="stop an arm's lm_eval after this many seconds (status TIMEOUT)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--changed-models", nargs="*", default=None, choices=list(MODELS),
+                    help="the models that run the changed-model scenarios (default: all)")
     ap.add_argument("--ci", action="store_true",
                     help="the CI subset: " + " ".join(CI_SUBSET) + " (before any other option)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -400,7 +488,13 @@ def main(argv=None) -> int:
         t_model = time.monotonic()
         ref, row_bytes = None, None
         for scenario in args.scenarios:
-            rows = run_scenario(model, scenario, args, pythonpath, ref, row_bytes)
+            changed = "change" in SCENARIOS[scenario]
+            if changed and args.changed_models is not None and model not in args.changed_models:
+                continue
+            if changed:
+                rows = run_changed_scenario(model, scenario, args, pythonpath)
+            else:
+                rows = run_scenario(model, scenario, args, pythonpath, ref, row_bytes)
             for r in rows:
                 if r.arm == "noconn" and r.ran() and scenario == "base":
                     ref = r

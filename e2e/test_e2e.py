@@ -3,7 +3,9 @@ single-group control through the three arms (no connector, tiering warm, cold re
 same fs_python directory) with `vllm serve` + lm_eval, on the CPU. The full matrix is
 `python e2e/run_plan.py` (make e2e).
 
-Takes about 10 minutes on 2 cores (six engine starts of ~60-80 s plus lm_eval).
+Then the 4-group model changed at its path between the warm and the cold arm (new weights; a
+new rope_theta): the cold arm must load nothing from disk and match the changed model's own
+output. Takes about 18 minutes on 2 cores (twelve engine starts of ~45-80 s plus lm_eval).
 Set E2E_SKIP=1 to skip.
 """
 

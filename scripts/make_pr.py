@@ -64,7 +64,7 @@ PR_ROOT = BUILD / "pr"
 PLACEHOLDER_NAME = "vllm-hma-tiering"
 STATE = "hma-pr"  # .git/hma-pr/<unit>: the HEAD make pr built for pr/<unit> last
 UNIT_KEYS = {"name", "title", "patches", "tests", "threads", "layouts", "problem", "change",
-             "overview", "claims", "measured"}
+             "overview", "claims", "measured", "validation"}
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 TITLE_RE = re.compile(r"^\[[^\]]+\] \S")
 # Sentences of a commit message that only concern the fork: when the patch can go.
@@ -94,6 +94,7 @@ class Unit:
     overview: str = ""  # PR.md's Overview: 1-2 lines (default: the problem's first sentence)
     claims: list[str] = field(default_factory=list)  # a few bullets (default: commit subjects)
     measured: list[Path] = field(default_factory=list)  # markdown files, folded into Details
+    validation: list[Path] = field(default_factory=list)  # markdown files, shown in Validation
 
 
 def resolve_patch(ref: str, series: list[Path]) -> Path | None:
@@ -163,18 +164,21 @@ def load_units(version: str) -> list[Unit]:
         for key in ("problem", "change", "overview"):
             if not isinstance(u.get(key, ""), str):
                 raise UserError(f"{where}: {key} must be a string (markdown)")
-        measured = u.get("measured", [])
-        if not isinstance(measured, list) or not all(isinstance(x, str) for x in measured):
-            raise UserError(f"{where}: measured must be a list of markdown files in {rel(folder)}/")
-        missing = [x for x in measured if not (folder / x).is_file()]
-        if missing:
-            raise UserError(f"{where}: measured names {', '.join(missing)}, not in {rel(folder)}/; "
-                            "write the file there or drop the name")
+        files = {}
+        for key in ("measured", "validation"):
+            files[key] = u.get(key, [])
+            if not isinstance(files[key], list) or not all(isinstance(x, str) for x in files[key]):
+                raise UserError(f"{where}: {key} must be a list of markdown files in {rel(folder)}/")
+            missing = [x for x in files[key] if not (folder / x).is_file()]
+            if missing:
+                raise UserError(f"{where}: {key} names {', '.join(missing)}, not in "
+                                f"{rel(folder)}/; write the file there or drop the name")
         units.append(Unit(name, title, patches, list(u.get("tests", [])),
                           list(u.get("threads", [])), list(u.get("layouts", [])),
                           u.get("problem", "").strip(), u.get("change", "").strip(),
                           " ".join(u.get("overview", "").split()), list(u.get("claims", [])),
-                          [folder / x for x in measured]))
+                          [folder / x for x in files["measured"]],
+                          [folder / x for x in files["validation"]]))
     return units
 
 
@@ -573,6 +577,15 @@ VISIBLE_WORDS = 400  # what a reviewer reads before opening any <details>
 DEFAULT_SECTIONS = ["Overview", "Claims", "Validation", "Details"]
 
 
+def shown_validation(unit: Unit) -> list[str]:
+    """The unit's validation files (an end-to-end reproduction), each under its heading."""
+    lines: list[str] = []
+    for path in unit.validation:
+        heading, _, text = path.read_text().strip().partition("\n")
+        lines += [f"**{heading.lstrip('# ')}**", "", text.strip(), ""]
+    return lines
+
+
 @dataclass
 class Template:
     """The sections of the tag's .github/PULL_REQUEST_TEMPLATE.md, in order, its checklist
@@ -755,7 +768,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         "claims": claims,
         "plan": plan,
         "result": result,
-        "validation": result + plan,
+        "validation": result + plan + shown_validation(unit),
         "details": details,
     }
     L = [f"# {unit.title}", "",

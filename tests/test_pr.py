@@ -344,11 +344,11 @@ def test_the_fs_tier_fixes_are_units_of_their_own():
     assert "fs-tier-faults" not in units
     fs = {n: [p.name[:4] for p in u.patches] for n, u in units.items() if n.startswith("fs-")}
     assert fs == {
-        "fs-partial-batch-load": ["0005"], "fs-complete-stores": ["0006"],
-        "fs-size-checked-loads": ["0005", "0006", "0007"], "fs-unloadable-miss": ["0005", "0006", "0008"],
-        "fs-stale-temp-files": ["0006", "0009"], "fs-failure-report": ["0010"],
-        "fs-config-json": ["0006", "0009", "0010", "0011"],
-        "fs-o-direct-reprobe": ["0005", "0006", "0007", "0009", "0010", "0011", "0012"]}
+        "fs-partial-batch-load": ["0007"], "fs-complete-stores": ["0008"],
+        "fs-size-checked-loads": ["0007", "0008", "0009"], "fs-unloadable-miss": ["0007", "0008", "0010"],
+        "fs-stale-temp-files": ["0008", "0011"], "fs-failure-report": ["0012"],
+        "fs-config-json": ["0008", "0011", "0012", "0013"],
+        "fs-o-direct-reprobe": ["0007", "0008", "0009", "0011", "0012", "0013", "0014"]}
     for n in fs:
         assert units[n].tests and all("::test_" in t for t in units[n].tests), n
     tests = [t for n in fs for t in units[n].tests]
@@ -538,3 +538,25 @@ def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
     assert (venv_vllm / "fs_io_C.abi3.so").read_bytes() == b"the installed module"
     (repo / "csrc" / "fs_io.cpp").unlink()
     assert not (worktree_site.build(repo) / "vllm" / "fs_io_C.abi3.so").exists()
+
+
+def test_a_units_validation_file_is_shown_in_validation():
+    """A unit's `validation` files (an end-to-end reproduction) are shown in PR.md's
+    Validation section, under their heading, within the visible-word limit."""
+    import tempfile
+
+    units = {u.name: u for u in kit.load_units("0.33.0")}
+    unit = next(u for u in units.values() if u.validation)
+    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "PR.md"
+        words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}", "0" * 40,
+                                [], None, None, None, ME, tpl,
+                                kit.builds_on(unit, list(units.values())))
+        md = path.read_text()
+    validation = md.partition("Validation")[2].partition("\n## ")[0]
+    for p in unit.validation:
+        heading, _, body = p.read_text().partition("\n")
+        assert f"**{heading.lstrip('# ')}**" in validation
+        assert body.strip().splitlines()[0] in validation
+    assert words == kit.visible_words(md) <= kit.VISIBLE_WORDS

@@ -8,6 +8,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingSpec,
     make_offload_key,
 )
+from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
 # ---------------------------------------------------------------------------
@@ -44,6 +45,23 @@ def make_mapper_from_offloading_spec(**kwargs) -> FileMapper:
     # Create a copy of the mock config to avoid modifying the global one
     mock_vllm_config = MagicMock()
     mock_vllm_config.model_config.model = kwargs.get("model_name", "test-model")
+    # what kv_values.KVValuesSource reads (the model is not on disk)
+    mock_vllm_config.model_config.configure_mock(
+        revision=None,
+        model_weights="",
+        hf_config={},
+        dtype="auto",
+        quantization=None,
+        override_attention_dtype=None,
+        max_model_len=1024,
+    )
+    mock_vllm_config.cache_config.configure_mock(
+        kv_cache_dtype_skip_layers=[],
+        calculate_kv_scales=False,
+        mamba_cache_dtype="auto",
+        mamba_ssm_cache_dtype="auto",
+    )
+    mock_vllm_config.load_config.load_format = "auto"
     mock_vllm_config.cache_config.block_size = kwargs.get("hash_block_size", 16)
     mock_vllm_config.cache_config.cache_dtype = (
         f"torch.{kwargs.get('dtype', 'float16')}"
@@ -97,7 +115,7 @@ def test_get_file_name_full_structure():
     path = fm.get_file_name(key)
 
     expected_path = (
-        "/tmp/cache/test-model_588656ebcc66_r3/000/10_g2/0001020304050607.bin"
+        "/tmp/cache/test-model_d0cc2ab5414a_r3/000/10_g2/0001020304050607.bin"
     )
     assert path == expected_path
 
@@ -120,6 +138,22 @@ def test_get_run_config_fields():
         "dtype": "bfloat16",
         "kv_cache_groups": [],
         "inference_engine": "vllm",
+        "kv_values": {
+            "version": 1,
+            "weights": {"source": "unknown", "digest": None},
+            "load_format": "auto",
+            "model_weights": "",
+            "hf_config": kv_values._config_digest({}),
+            "dtype": "auto",
+            "quantization": None,
+            "override_attention_dtype": None,
+            "kv_cache_dtype": "bfloat16",
+            "kv_cache_dtype_skip_layers": [],
+            "calculate_kv_scales": False,
+            "mamba_cache_dtype": "auto",
+            "mamba_ssm_cache_dtype": "auto",
+            "max_model_len": 1024,
+        },
     }
 
 

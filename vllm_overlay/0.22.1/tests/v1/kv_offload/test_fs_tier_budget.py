@@ -16,6 +16,7 @@ settings are refused.
 """
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -827,7 +828,7 @@ def test_other_layouts_are_named_least_recently_used_first(
         other = os.path.join(root, f"{model}_{i:012x}")
         os.makedirs(other)
         os.utime(other, (now - age_s, now - age_s))
-        expected.append(f"'{model}_{i:012x}' (last used {age} ago)")
+        expected.append(f"'{model}_{i:012x}' (last used {age} ago;")
     os.utime(layout_dir, (old, old))
     monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
     with caplog.at_level(logging.INFO):
@@ -841,6 +842,48 @@ def test_other_layouts_are_named_least_recently_used_first(
     assert -1 not in positions and positions == sorted(positions), line
     assert "mark theirs every 60 min" in line, line
     assert os.stat(layout_dir).st_mtime > old + 86400  # marked at start
+
+
+def test_other_layouts_say_what_differs(tmp_path, caplog):
+    """A model changed at its path (new weights, another config) starts a new
+    layout; the start-up line names this model's old layouts with what
+    differs in their config.json, so that an operator sees why they are
+    unused and can remove them."""
+    rows = _aligned_rows(2)
+    root = str(tmp_path)
+    first = make_tier(root, rows)
+    first.shutdown()
+    fields = first.file_mapper.fields
+    values = fields["kv_values"]
+    model = os.path.basename(first.file_mapper.base_path)[:-13]
+    weights = {"source": "local", "revision": None, "digest": "0" * 32}
+    old_fields = {
+        "weights changed": {**fields, "kv_values": {**values, "weights": weights}},
+        "model config changed": {
+            **fields,
+            "kv_values": {**values, "hf_config": "0" * 32},
+        },
+        "written before the model's values were recorded": {
+            k: v for k, v in fields.items() if k != "kv_values"
+        },
+        "no readable config.json": None,
+    }
+    names = {}
+    for i, (change, old) in enumerate(old_fields.items(), 1):
+        names[change] = f"{model}_{i:012x}"
+        os.makedirs(os.path.join(root, names[change]))
+        if old is not None:
+            with open(os.path.join(root, names[change], "config.json"), "w") as f:
+                json.dump(old, f)
+    with caplog.at_level(logging.INFO):
+        make_tier(root, rows).shutdown()
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if "other layout(s) of this model" in r.getMessage()
+    ]
+    for change, name in names.items():
+        assert f"'{name}' (last used 0 min ago; {change})" in line, line
 
 
 def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(

@@ -1078,6 +1078,97 @@ def test_connector_scheduler_cold_restart_hits_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+def _write_weights(model_dir, seed: int) -> None:
+    """A checkpoint file of the tiny model: what a fine-tune rewrites."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"model.layers.{i}.self_attn.{name}.weight": torch.randn(
+            64, 64, generator=g
+        ).half()
+        for i in range(4)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    save_file(tensors, str(model_dir / "model.safetensors"), {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "change, hits",
+    [
+        ("none", True),
+        ("touch", True),
+        ("weights", False),
+        ("rope_theta", False),
+    ],
+)
+@pytest.mark.parametrize("layout", ["llama", "gemma3"])
+def test_cold_restart_after_a_model_change_at_its_path(
+    model_config, tmp_path, sha256_block_hashes, layout, change, hits
+):
+    """An engine stored a request's blocks to disk; the model at the same
+    path then changes and an engine starts on the same root. New weights of
+    the same shapes (a fine-tune written over the directory) or a new
+    rope_theta (--hf-overrides; an edit of config.json does the same)
+    compute other K/V for the same tokens: the real connector scheduler
+    finds no hit. The unchanged model, also after a touch of its files,
+    keeps its hits."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+        SchedulerOffloadConfig,
+    )
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(model_config.model, model_dir)
+    _write_weights(model_dir, seed=0)
+
+    def engine_configs(**model_kwargs):
+        config = ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            dtype="float16",
+            **model_kwargs,
+        )
+        return make_configs(config, layout, str(tmp_path / "fs"), 64)
+
+    spec = TieringOffloadingSpec(*engine_configs())
+    block_sizes = [
+        g.offloaded_block_size
+        for g in SchedulerOffloadConfig.from_spec(spec).kv_group_configs
+    ]
+    num_tokens = 4 * math.lcm(*block_sizes) + 5
+    request = _make_request(spec, "req0", num_tokens)
+    assert _store_requests(spec, [request]) > 0
+
+    model_kwargs = {}
+    if change == "touch":
+        for name in os.listdir(model_dir):
+            os.utime(model_dir / name, (1, 1))
+    elif change == "weights":
+        _write_weights(model_dir, seed=1)
+    elif change == "rope_theta":
+        model_kwargs["hf_overrides"] = {"rope_theta": 40000.0}
+    sched = OffloadingConnectorScheduler(
+        TieringOffloadingSpec(*engine_configs(**model_kwargs))
+    )
+    try:
+        for _ in range(200):
+            num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+            if num_hit_tokens is not None:
+                break
+            list(sched.take_events())  # end of engine step
+            time.sleep(0.005)
+        expected = 4 * math.lcm(*block_sizes) if hits else 0
+        assert num_hit_tokens == expected, (
+            f"after a change of {change}: {num_hit_tokens} tokens hit on disk, "
+            f"{expected} expected"
+        )
+    finally:
+        sched.shutdown()
+
+
 @pytest.mark.parametrize("layout", ["llama", "gemma3"])
 @pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "key_file"])
 def test_requests_with_another_cache_salt_never_load_disk_blocks(

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_block_hash,
     get_offload_group_idx,
 )
+from vllm.v1.kv_offload.kv_values import KVValuesSource, describe_kv_values
 
 _BASE_PATH_HASH_LEN = 12
 _CONFIG_FILENAME = "config.json"
@@ -94,6 +95,7 @@ class FileMapper:
         parallel_agnostic: bool = False,
         checksum: dict | None = None,
         file_stem: Callable[[bytes], str] | None = None,
+        kv_values: dict | None = None,
     ):
         """
         Initialize the file mapper. Each worker constructs its own, but
@@ -104,7 +106,10 @@ class FileMapper:
         gives the files their own folder, so that files without it (or with
         another) are never read as if they had it. `file_stem` maps a block
         hash to its files' name (default: its hex), e.g. a keyed hash, so
-        that names cannot be computed from the prefix.
+        that names cannot be computed from the prefix. `kv_values` (what the
+        model's K/V values depend on, kv_values.describe_kv_values()) gives
+        another model at the same path, new weights or another config their
+        own folder.
         """
         if parallel_agnostic:
             tp_size = pp_size = pcp_size = dcp_size = 1
@@ -124,6 +129,8 @@ class FileMapper:
         }
         if checksum is not None:
             self.fields["checksum"] = checksum
+        if kv_values is not None:
+            self.fields["kv_values"] = kv_values
         self.base_path: str = self._compute_base_path(root_dir, self.fields)
         self._file_stem = file_stem
 
@@ -174,6 +181,7 @@ class FileMapper:
             parallel_agnostic=parallel_agnostic,
             checksum=checksum,
             file_stem=file_stem,
+            kv_values=describe_kv_values(KVValuesSource.from_vllm_config(vllm_config)),
         )
 
     def get_file_name(self, key: OffloadKey) -> str:

@@ -15,6 +15,7 @@ settings are refused.
 
 import dataclasses
 import errno
+import json
 import logging
 import math
 import os
@@ -61,6 +62,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.kv_values import KVValuesSource
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -479,14 +481,23 @@ def test_no_kept_file_is_unreachable_with_sliding_window_groups(
 _ROW_ELEMENTS = 1024  # float32: a 4 KiB block file
 
 
-def make_tier(root_dir: str, rows, group_tokens=(), events=False, windows=(), **config):
+def make_tier(
+    root_dir: str,
+    rows,
+    group_tokens=(),
+    events=False,
+    windows=(),
+    kv_values_source=None,
+    **config,
+):
     """An fs tier over rows (a page-aligned tensor), with a spec of KV cache
     groups of group_tokens tokens a chunk (none: no group known), full
     attention, or sliding-window ones of windows[g] chunks where that is
-    not None."""
+    not None, and what the model's K/V values depend on (none: not known)."""
     spec = _make_offloading_spec(enable_kv_cache_events=events)
     spec.config = dataclasses.replace(
         spec.config,
+        model=dataclasses.replace(spec.config.model, kv_values_source=kv_values_source),
         groups=tuple(
             OffloadingGroupConfig(
                 tokens_per_block=tokens,
@@ -1166,7 +1177,7 @@ def test_other_layouts_are_named_least_recently_used_first(
         other = os.path.join(root, f"{model}_{i:012x}")
         os.makedirs(other)
         os.utime(other, (now - age_s, now - age_s))
-        expected.append(f"'{model}_{i:012x}' (last used {age} ago)")
+        expected.append(f"'{model}_{i:012x}' (last used {age} ago;")
     os.utime(layout_dir, (old, old))
     monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
     with caplog_vllm.at_level(logging.INFO):
@@ -1180,6 +1191,64 @@ def test_other_layouts_are_named_least_recently_used_first(
     assert -1 not in positions and positions == sorted(positions), line
     assert "mark theirs every 60 min" in line, line
     assert os.stat(layout_dir).st_mtime > old + 86400  # marked at start
+
+
+def test_other_layouts_say_what_differs(tmp_path, caplog_vllm):
+    """A model changed at its path (new weights, another config) starts a new
+    layout; the start-up line names this model's old layouts with what
+    differs in their config.json, so that an operator sees why they are
+    unused and can remove them."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    root = str(tmp_path)
+    source = KVValuesSource(
+        model="test-model",
+        revision=None,
+        load_format="auto",
+        model_weights="",
+        hf_config="1" * 32,
+        dtype="float16",
+        quantization=None,
+        override_attention_dtype=None,
+        kv_cache_dtype="auto",
+        kv_cache_dtype_skip_layers=(),
+        calculate_kv_scales=False,
+        mamba_cache_dtype="auto",
+        mamba_ssm_cache_dtype="auto",
+        max_model_len=1024,
+    )
+    first = make_tier(root, rows, kv_values_source=source)
+    first.shutdown()
+    fields = first.file_mapper.fields
+    values = fields["kv_values"]
+    model = os.path.basename(first.file_mapper.base_path)[:-13]
+    weights = {"source": "local", "digest": "0" * 32}
+    old_fields = {
+        "weights changed": {**fields, "kv_values": {**values, "weights": weights}},
+        "model config changed": {
+            **fields,
+            "kv_values": {**values, "hf_config": "0" * 32},
+        },
+        "written before the model's values were recorded": {
+            k: v for k, v in fields.items() if k != "kv_values"
+        },
+        "no readable config.json": None,
+    }
+    names = {}
+    for i, (change, old) in enumerate(old_fields.items(), 1):
+        names[change] = f"{model}_{i:012x}"
+        os.makedirs(os.path.join(root, names[change]))
+        if old is not None:
+            with open(os.path.join(root, names[change], "config.json"), "w") as f:
+                json.dump(old, f)
+    with caplog_vllm.at_level(logging.INFO):
+        make_tier(root, rows, kv_values_source=source).shutdown()
+    (line,) = [
+        r.getMessage()
+        for r in caplog_vllm.records
+        if "other layout(s) of this model" in r.getMessage()
+    ]
+    for change, name in names.items():
+        assert f"'{name}' (last used 0 min ago; {change})" in line, line
 
 
 def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(

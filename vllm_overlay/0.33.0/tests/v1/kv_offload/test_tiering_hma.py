@@ -689,6 +689,89 @@ def test_cold_restart_promotes_and_loads_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+def _write_weights(model_dir, seed: int) -> None:
+    """A checkpoint file of the tiny model: what a fine-tune rewrites."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"model.layers.{i}.self_attn.{name}.weight": torch.randn(
+            64, 64, generator=g
+        ).half()
+        for i in range(4)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    save_file(tensors, str(model_dir / "model.safetensors"), {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "change, hits",
+    [
+        ("none", True),
+        ("touch", True),
+        ("weights", False),
+        ("rope_theta", False),
+    ],
+)
+@pytest.mark.parametrize("layout", ["llama", "gemma3"])
+def test_cold_restart_after_a_model_change_at_its_path(
+    model_config, tmp_path, layout, change, hits
+):
+    """An engine stored a request's chunks to disk; the model at the same
+    path then changes and an engine starts on the same root. New weights of
+    the same shapes (a fine-tune written over the directory) or a new
+    rope_theta (--hf-overrides; an edit of config.json does the same)
+    compute other K/V for the same tokens: the real connector scheduler
+    finds no hit. The unchanged model, also after a touch of its files,
+    keeps its hits."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(model_config.model, model_dir)
+    _write_weights(model_dir, seed=0)
+
+    def engine(**model_kwargs) -> Engine:
+        config = ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            dtype="float16",
+            **model_kwargs,
+        )
+        return Engine(config, layout, str(tmp_path / "fs"), 64)
+
+    writer = engine()
+    sched = writer.connector_scheduler()
+    lcm = math.lcm(*(g.tokens_per_chunk for g in sched.config.kv_group_configs))
+    sched.shutdown()
+    num_tokens = 4 * lcm + 5
+    request = writer.request("req0", num_tokens)
+    assert store_requests(writer, [request]) > 0
+
+    model_kwargs = {}
+    if change == "touch":
+        for name in os.listdir(model_dir):
+            os.utime(model_dir / name, (1, 1))
+    elif change == "weights":
+        _write_weights(model_dir, seed=1)
+    elif change == "rope_theta":
+        model_kwargs["hf_overrides"] = {"rope_theta": 40000.0}
+    sched = engine(**model_kwargs).connector_scheduler()
+    try:
+        sched.on_new_request(request)
+        for _ in range(_COLD_SETTLE_STEPS):
+            num_hit_tokens, _ = sched.get_num_new_matched_tokens(request, 0)
+            if num_hit_tokens is not None:
+                break
+            end_step(sched)
+        expected = expected_hit_tokens(sched, num_tokens) if hits else 0
+        assert num_hit_tokens == expected, (
+            f"after a change of {change}: {num_hit_tokens} tokens hit on disk, "
+            f"{expected} expected"
+        )
+    finally:
+        sched.shutdown()
+
+
 def _use_key_file(engine: "Engine", path) -> None:
     """Give the engine's fs tier a key file (a new random key at *path*)."""
     path.write_bytes(os.urandom(32))

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.v1.kv_offload.kv_values import KVValuesSource
+
 
 @dataclass(frozen=True)
 class OffloadingBlockLayout:
@@ -57,6 +59,9 @@ class OffloadingModelConfig:
     dtype: str
     # Longest request the engine accepts, in tokens. 0 when not known.
     max_model_len: int = 0
+    # What the model's K/V values depend on, read by persistent tiers
+    # (kv_values.describe_kv_values()). None when not known.
+    kv_values_source: KVValuesSource | None = None
 
 
 @dataclass(frozen=True)

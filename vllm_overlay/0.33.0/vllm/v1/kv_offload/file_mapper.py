@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.kv_values import describe_kv_values
 
 _BASE_PATH_HASH_LEN = 12
 _CONFIG_FILENAME = "config.json"
@@ -66,6 +67,7 @@ class FileMapper:
         rank: int,
         dtype: str,
         kv_cache_groups: list[dict] | None = None,
+        kv_values: dict | None = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
         replicated_layout: bool = False,
@@ -98,6 +100,10 @@ class FileMapper:
             "kv_cache_groups": kv_cache_groups or [],
             "inference_engine": inference_engine,
         }
+        # What the model's K/V values depend on: another model at the same
+        # path, new weights or another config get their own folder.
+        if kv_values is not None:
+            self.fields["kv_values"] = kv_values
         if not parallel_agnostic:
             self.fields["parallel_agnostic"] = False
         # Only written when True so existing deployments' hashed fields are
@@ -133,6 +139,10 @@ class FileMapper:
         kv_cache_groups = [
             _describe_group(group, parallel_agnostic) for group in config.groups
         ]
+        # What the model's K/V values depend on: read here, where a persistent
+        # tier starts, not where every connector builds its config.
+        source = config.model.kv_values_source
+        kv_values = None if source is None else describe_kv_values(source)
         canonical_format = None
         if config.canonical_layout:
             assert config.kv_cache_layout is not None
@@ -149,6 +159,7 @@ class FileMapper:
             rank=parallel.rank,
             dtype=config.model.dtype,
             kv_cache_groups=kv_cache_groups,
+            kv_values=kv_values,
             parallel_agnostic=parallel_agnostic,
             replicated_layout=(parallel_agnostic and config.replicated_layout),
             canonical_format=canonical_format,

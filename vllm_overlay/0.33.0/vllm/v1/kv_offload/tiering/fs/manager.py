@@ -90,6 +90,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -227,9 +228,10 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.0f} days"
 
 
-def _names(root_dir: str, layouts: list[str]) -> str:
+def _names(root_dir: str, layouts: list[str], fields: dict | None = None) -> str:
     """The layouts, least recently used first (their directory's mtime,
-    see LAYOUT_MARK_INTERVAL_S), each with how long ago."""
+    see LAYOUT_MARK_INTERVAL_S), each with how long ago and, given this
+    layout's `fields`, what differs in theirs (kv_values.layout_change)."""
     mtimes = {}
     for name in layouts:
         with contextlib.suppress(OSError):
@@ -237,15 +239,28 @@ def _names(root_dir: str, layouts: list[str]) -> str:
             mtimes[name] = os.stat(path, follow_symlinks=False).st_mtime
     now = time.time()
     aged = sorted(layouts, key=lambda n: (n in mtimes, mtimes.get(n, 0.0), n))
-    named = ", ".join(
-        f"{n!r} (last used {_age(max(0.0, now - mtimes[n]))} ago)"
-        if n in mtimes
-        else repr(n)
-        for n in aged[:_LAYOUTS_NAMED]
-    )
+    described = []
+    for name in aged[:_LAYOUTS_NAMED]:
+        notes = []
+        if name in mtimes:
+            notes.append(f"last used {_age(max(0.0, now - mtimes[name]))} ago")
+        if fields is not None:
+            notes.append(kv_values.layout_change(fields, _read_fields(root_dir, name)))
+        described.append(f"{name!r} ({'; '.join(notes)})" if notes else repr(name))
+    named = ", ".join(described)
     if len(layouts) > _LAYOUTS_NAMED:
         named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
     return named
+
+
+def _read_fields(root_dir: str, name: str) -> dict | None:
+    """Another layout's recorded fields (its config.json), or None."""
+    try:
+        with open(os.path.join(root_dir, name, "config.json"), "rb") as f:
+            fields = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -553,16 +568,17 @@ class FileSystemTierManager(SecondaryTierManager):
         if same:
             (logger.info if self._max_bytes is None else logger.warning)(
                 "'%s' KV offload tier at %s: directories of %d other "
-                "layout(s) of this model are in the root (another vLLM "
-                "version's, tier setting's or parallelism's): %s (<name> and "
-                "<name>_r<rank>; its config.json records the settings). This "
+                "layout(s) of this model are in the root (other weights', "
+                "model config's, vLLM version's, tier setting's or "
+                "parallelism's): %s (<name> and <name>_r<rank>; its "
+                "config.json records the settings). This "
                 "tier never reads or removes them%s: if no engine uses one, "
                 "remove it (running engines of this version mark theirs every "
                 "%.0f min).",
                 self.tier_type,
                 root_dir,
                 len(same),
-                _names(root_dir, same),
+                _names(root_dir, same, self.file_mapper.fields),
                 counted,
                 LAYOUT_MARK_INTERVAL_S / 60,
             )

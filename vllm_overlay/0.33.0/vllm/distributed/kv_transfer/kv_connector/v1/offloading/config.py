@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.kv_values import KVValuesSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -344,6 +345,7 @@ def build_offloading_config(
             name=vllm_config.model_config.model,
             dtype=str(cache_dtype).removeprefix("torch."),
             max_model_len=vllm_config.model_config.max_model_len,
+            kv_values_source=KVValuesSource.from_vllm_config(vllm_config),
         ),
         cache=OffloadingCacheConfig(
             tokens_per_hash=tokens_per_hash,

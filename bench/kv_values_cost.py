@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Start-up cost of the fs tier's model fingerprint (vllm/v1/kv_offload/kv_values.py).
+
+Fingerprints the e2e tiny models and synthetic checkpoints of real size made of sparse
+safetensors files (a real header, holes for data): 50 GB in 20 shards with a dense model's
+tensor count (Llama-3-70B: 723 tensors) and with a MoE's (DeepSeek-V3: ~91,000, so the
+per-model sample cap applies). Prints one row per model: files, tensors, wall time of
+weights_fingerprint(), median of 5 runs and the first (cold) run.
+
+    .venv/bin/python bench/kv_values_cost.py [--dir DIR]   # DIR: where the sparse files go
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 10**9
+
+
+def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_tensors: int):
+    """num_shards safetensors files of total_bytes, num_tensors tensors spread over them."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    per_shard = num_tensors // num_shards
+    shard_bytes = total_bytes // num_shards
+    tensor_bytes = shard_bytes // per_shard // 2 * 2
+    for shard in range(num_shards):
+        header = {"__metadata__": {"format": "pt"}}
+        for i in range(per_shard):
+            n = tensor_bytes // 2
+            header[f"model.layers.{shard}.t{i}.weight"] = {
+                "dtype": "BF16", "shape": [n], "data_offsets": [i * tensor_bytes, (i + 1) * tensor_bytes]}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = model_dir / f"model-{shard:05d}-of-{num_shards:05d}.safetensors"
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            f.truncate(8 + len(raw) + per_shard * tensor_bytes)
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+
+
+def timed(model_dir: Path, runs: int = 5) -> tuple[float, float, str]:
+    from vllm.v1.kv_offload.kv_values import weights_fingerprint
+
+    times, digest = [], ""
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        digest = weights_fingerprint(str(model_dir))["digest"]
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times), digest
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, default=None, help="where the sparse files go (default: a temp dir)")
+    args = ap.parse_args()
+    rows = []
+    for tiny in sorted((ROOT / "build" / "tiny-models").glob("*/config.json")):
+        if tiny.parent.name != "tokenizer":
+            rows.append((f"tiny {tiny.parent.name}", tiny.parent))
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name, tensors in (("dense", 723), ("moe", 91000)):
+            model_dir = Path(tmp) / name
+            sparse_checkpoint(model_dir, 50 * GB, 20, tensors)
+            rows.append((f"50 GB {name}, {tensors} tensors", model_dir))
+        print("| model | files | bytes | first run (ms) | median of 5 (ms) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, model_dir in rows:
+            files = [p for p in model_dir.rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files)
+            first, median, _ = timed(model_dir)
+            print(f"| {name} | {len(files)} | {size:,} | {first * 1000:.1f} | {median * 1000:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
