@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Start-up cost of the fs tier's model fingerprint (vllm/v1/kv_offload/kv_values.py).
 
-Fingerprints the e2e tiny models and synthetic checkpoints of real size made of sparse
-safetensors files (a real header, holes for data): 50 GB in 20 shards with a dense model's
-tensor count (Llama-3-70B: 723 tensors) and with a MoE's (DeepSeek-V3: ~91,000, so the
-per-model sample cap applies). Prints one row per model: files, tensors, wall time of
-weights_fingerprint(), median of 5 runs and the first (cold) run.
+Fingerprints the e2e tiny models; checkpoints of real size made of sparse safetensors files
+(a real header, holes for data): 50 GB in 20 shards with a dense model's tensor count
+(Llama-3-70B: 723 tensors) and a MoE's (DeepSeek-V3: ~91,000); and a real 4 GB checkpoint of
+random bytes with 20,000 tensors, read cold (its pages evicted with POSIX_FADV_DONTNEED before
+the first run). Prints one row per model: files, bytes, the first run and the median of 5.
 
-    .venv/bin/python bench/kv_values_cost.py [--dir DIR]   # DIR: where the sparse files go
+    .venv/bin/python bench/kv_values_cost.py [--dir DIR] [--real-gb 4]
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 10**9
 
 
-def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_tensors: int):
-    """num_shards safetensors files of total_bytes, num_tensors tensors spread over them."""
+def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_tensors: int,
+                      real: bool = False):
+    """num_shards safetensors files of total_bytes, num_tensors tensors spread over them:
+    holes, or random bytes where real."""
     model_dir.mkdir(parents=True, exist_ok=True)
     per_shard = num_tensors // num_shards
     shard_bytes = total_bytes // num_shards
@@ -39,13 +42,30 @@ def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_te
         path = model_dir / f"model-{shard:05d}-of-{num_shards:05d}.safetensors"
         with open(path, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw)
+            if real:
+                for _ in range(per_shard * tensor_bytes // (64 << 20)):
+                    f.write(os.urandom(64 << 20))
             f.truncate(8 + len(raw) + per_shard * tensor_bytes)
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
+
+
+def evict(model_dir: Path) -> None:
+    """Drop the files' pages from the page cache, so that the next read is cold."""
+    for path in model_dir.iterdir():
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def timed(model_dir: Path, runs: int = 5) -> tuple[float, float, str]:
     from vllm.v1.kv_offload.kv_values import weights_fingerprint
 
+    evict(model_dir)
     times, digest = [], ""
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -56,7 +76,8 @@ def timed(model_dir: Path, runs: int = 5) -> tuple[float, float, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=None, help="where the sparse files go (default: a temp dir)")
+    ap.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir)")
+    ap.add_argument("--real-gb", type=int, default=4, help="size of the real checkpoint (0: none)")
     args = ap.parse_args()
     rows = []
     for tiny in sorted((ROOT / "build" / "tiny-models").glob("*/config.json")):
@@ -66,8 +87,12 @@ def main() -> int:
         for name, tensors in (("dense", 723), ("moe", 91000)):
             model_dir = Path(tmp) / name
             sparse_checkpoint(model_dir, 50 * GB, 20, tensors)
-            rows.append((f"50 GB {name}, {tensors} tensors", model_dir))
-        print("| model | files | bytes | first run (ms) | median of 5 (ms) |")
+            rows.append((f"50 GB {name}, {tensors} tensors, sparse", model_dir))
+        if args.real_gb:
+            model_dir = Path(tmp) / "real"
+            sparse_checkpoint(model_dir, args.real_gb * GB, 8, 20000, real=True)
+            rows.append((f"{args.real_gb} GB, 20000 tensors, random bytes", model_dir))
+        print("| model | files | bytes | first run, cold (ms) | median of 5 (ms) |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for name, model_dir in rows:
             files = [p for p in model_dir.rglob("*") if p.is_file()]

@@ -10,7 +10,6 @@ path: they are intact, so no checksum catches it (#49261, #56311).
 
 import hashlib
 import json
-import mmap
 import os
 import stat
 import time
@@ -270,38 +269,40 @@ def _file_signature(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-            return f"{stat.S_IFMT(st.st_mode)}:{st.st_size}".encode()
-        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as data:
-            parts = [str(st.st_size).encode()]
-            header = None
-            if path.endswith(".safetensors"):
-                header = _safetensors_header(data)
-            if header is not None:
-                raw, tensors = header
-                parts.append(raw)
-                start = 8 + len(raw)
-                for begin, end in tensors:
-                    middle = start + (begin + end) // 2
-                    parts.append(data[middle : middle + _SAMPLE_BYTES])
-            else:
-                parts.append(str(st.st_mtime_ns).encode())
-                step = max(1, st.st_size // _FILE_SAMPLES)
-                for offset in range(0, st.st_size, step):
-                    parts.append(data[offset : offset + _SAMPLE_BYTES])
+        if not stat.S_ISREG(st.st_mode):
+            return f"{stat.S_IFMT(st.st_mode)}".encode()
+        # samples far apart: no readahead around each
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        parts = [str(st.st_size).encode()]
+        header = None
+        if path.endswith(".safetensors"):
+            header = _safetensors_header(fd, st.st_size)
+        if header is not None:
+            raw, tensors = header
+            parts.append(raw)
+            for begin, end in tensors:
+                middle = 8 + len(raw) + (begin + end) // 2
+                parts.append(os.pread(fd, _SAMPLE_BYTES, middle))
+        else:
+            parts.append(str(st.st_mtime_ns).encode())
+            step = max(1, st.st_size // _FILE_SAMPLES)
+            for offset in range(0, st.st_size, step):
+                parts.append(os.pread(fd, _SAMPLE_BYTES, offset))
     finally:
         os.close(fd)
     return hashlib.sha256(b"\0".join(parts)).digest()
 
 
-def _safetensors_header(data: mmap.mmap) -> tuple[bytes, list[tuple[int, int]]] | None:
+def _safetensors_header(
+    fd: int, size: int
+) -> tuple[bytes, list[tuple[int, int]]] | None:
     """A safetensors file's raw header and its tensors' (begin, end) data
     offsets, found without parsing the JSON (a MoE's headers hold ~10^5
     entries); None where it has none (then sampled as any other file)."""
-    length = int.from_bytes(data[:8].ljust(8, b"\xff"), "little")
-    if length > min(_MAX_HEADER_BYTES, len(data) - 8):
+    length = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\xff"), "little")
+    if length > min(_MAX_HEADER_BYTES, size - 8):
         return None
-    raw = data[8 : 8 + length]
+    raw = os.pread(fd, length, 8)
     tensors = [(int(m[1]), int(m[2])) for m in _DATA_OFFSETS.finditer(raw)]
     return (raw, tensors) if tensors else None
 

@@ -59,6 +59,22 @@ def _make_vllm_config(
     # _full_attention_spec's heads at tp=1: the parallelism-agnostic gate
     # requires the head shard to cover the model's KV heads exactly
     config.model_config.get_total_num_kv_heads.return_value = 4
+    # what kv_values.KVValuesSource reads (the model is not on disk)
+    config.model_config.configure_mock(
+        revision=None,
+        model_weights="",
+        hf_config={},
+        dtype=torch.float16,
+        quantization=None,
+        override_attention_dtype=None,
+    )
+    config.cache_config.configure_mock(
+        kv_cache_dtype_skip_layers=[],
+        calculate_kv_scales=False,
+        mamba_cache_dtype="auto",
+        mamba_ssm_cache_dtype="auto",
+    )
+    config.load_config.load_format = "auto"
     world_size = (
         tensor_parallel_size * pipeline_parallel_size * prefill_context_parallel_size
     )
