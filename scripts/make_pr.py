@@ -452,6 +452,9 @@ def test_command(site: Path, tests: list[str], xml: Path) -> tuple[list[str], di
            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "scripts" / "pytest_plugins")])}
     cmd = [str(VENV / "bin" / "python"), "-m", "pytest", "-p", "hma_pytest",
            "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short", "--disable-warnings",
+           # on the tag, a test module that imports what the unit adds fails to collect:
+           # the unit's other tests still run there
+           "--continue-on-collection-errors",
            f"--junitxml={xml}", *tests]
     return cmd, env
 

@@ -1203,8 +1203,10 @@ def test_other_layouts_say_what_differs(tmp_path, caplog_vllm):
     source = KVValuesSource(
         model="test-model",
         revision=None,
+        download_dir=None,
         load_format="auto",
         model_weights="",
+        loader_extra_config="0" * 32,
         hf_config="1" * 32,
         dtype="float16",
         quantization=None,

@@ -74,7 +74,9 @@ def _make_vllm_config(
         mamba_cache_dtype="auto",
         mamba_ssm_cache_dtype="auto",
     )
-    config.load_config.load_format = "auto"
+    config.load_config.configure_mock(
+        load_format="auto", download_dir=None, model_loader_extra_config={}
+    )
     world_size = (
         tensor_parallel_size * pipeline_parallel_size * prefill_context_parallel_size
     )
