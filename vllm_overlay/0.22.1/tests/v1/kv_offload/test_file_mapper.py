@@ -4,11 +4,11 @@
 
 from unittest.mock import MagicMock
 
+from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.base import (
     OffloadingSpec,
     make_offload_key,
 )
-from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
 # ---------------------------------------------------------------------------
@@ -61,7 +61,9 @@ def make_mapper_from_offloading_spec(**kwargs) -> FileMapper:
         mamba_cache_dtype="auto",
         mamba_ssm_cache_dtype="auto",
     )
-    mock_vllm_config.load_config.load_format = "auto"
+    mock_vllm_config.load_config.configure_mock(
+        load_format="auto", download_dir=None, model_loader_extra_config={}
+    )
     mock_vllm_config.cache_config.block_size = kwargs.get("hash_block_size", 16)
     mock_vllm_config.cache_config.cache_dtype = (
         f"torch.{kwargs.get('dtype', 'float16')}"
@@ -143,6 +145,7 @@ def test_get_run_config_fields():
             "weights": {"source": "unknown", "digest": None},
             "load_format": "auto",
             "model_weights": "",
+            "loader_extra_config": kv_values._config_digest({}),
             "hf_config": kv_values._config_digest({}),
             "dtype": "auto",
             "quantization": None,

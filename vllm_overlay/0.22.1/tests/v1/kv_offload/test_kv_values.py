@@ -99,7 +99,13 @@ def test_only_the_checkpoints_files_count(tmp_path):
     quantized = _digest(tmp_path / "m")
     assert quantized != before
     (tmp_path / "m" / "modeling_x.py").write_text("# remote code")
-    assert _digest(tmp_path / "m") != quantized
+    remote_code = _digest(tmp_path / "m")
+    assert remote_code != quantized
+    # beside safetensors the loader reads no other format: training state and
+    # a second copy do not count (nor their mtimes)
+    (tmp_path / "m" / "training_args.bin").write_bytes(b"args")
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"copy")
+    assert _digest(tmp_path / "m") == remote_code
 
 
 def test_other_files_are_sampled_with_their_mtime(tmp_path):
@@ -149,6 +155,18 @@ def test_hub_model_by_its_blob_hashes(tmp_path, monkeypatch):
     _hub_cache(cache, "org/model", "c" * 40, {**files, "model.safetensors": b"new"})
     assert weights_fingerprint("org/model")["digest"] != old["digest"]
     assert weights_fingerprint("org/model", revision="a" * 40) == old
+    # vLLM downloads only what its loader reads: a snapshot whose tree lists
+    # more files than were downloaded is fingerprinted all the same
+    (cache / "models--org--model" / "trees").mkdir()
+    tree = [{"path": p} for p in ("config.json", "model.safetensors", "model.bin")]
+    (cache / "models--org--model" / "trees" / ("c" * 40 + ".json")).write_text(
+        json.dumps(tree)
+    )
+    assert weights_fingerprint("org/model", revision="c" * 40)["source"] == "hub"
+    # --download-dir: another cache
+    other = tmp_path / "download_dir"
+    _hub_cache(other, "org/model", "a" * 40, files)
+    assert weights_fingerprint("org/model", download_dir=str(other)) == old
 
 
 @pytest.mark.parametrize("case", ["nowhere", "no weight file", "dummy"])
@@ -175,8 +193,10 @@ def _source(**changes) -> KVValuesSource:
     source = KVValuesSource(
         model="/nowhere",
         revision=None,
+        download_dir=None,
         load_format="auto",
         model_weights="",
+        loader_extra_config="0" * 32,
         hf_config="0" * 32,
         dtype="bfloat16",
         quantization=None,
@@ -203,6 +223,7 @@ def _source(**changes) -> KVValuesSource:
         {"max_model_len": 131072},
         {"load_format": "dummy"},
         {"model_weights": "s3://bucket/other"},
+        {"loader_extra_config": "1" * 32},
     ],
 )
 def test_every_field_of_the_record_counts(change):
@@ -217,6 +238,10 @@ def test_config_digest_covers_rope_not_bookkeeping():
     assert kv_values._config_digest({**base, "rope_theta": 80000.0}) != digest
     scaled = {**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     assert kv_values._config_digest(scaled) != digest
+    # one digest in every process: sets sorted, keys of any type
+    assert kv_values._config_digest({"a": {"x", "y", "z"}, 1: 2}) == (
+        kv_values._config_digest({1: 2, "a": {"z", "y", "x"}})
+    )
 
 
 @pytest.mark.parametrize(

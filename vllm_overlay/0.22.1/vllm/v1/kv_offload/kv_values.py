@@ -8,6 +8,7 @@ must not serve blocks of other weights or another config at the same model
 path: they are intact, so no checksum catches it (#49261, #56311).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,8 +29,9 @@ KV_VALUES_VERSION = 1
 
 # The record's fields, and why each is in (over-inclusion costs misses only):
 #   weights: the checkpoint's content (weights_fingerprint()).
-#   load_format, model_weights: dummy weights, weights streamed from a remote
-#     store (runai, tensorizer) are other values than the local files'.
+#   load_format, model_weights, loader_extra_config: dummy weights, weights
+#     streamed from a remote store (runai, tensorizer) are other values than
+#     the local files'.
 #   hf_config: the config vLLM resolved (hf_overrides applied): rope
 #     parameters and scaling, head counts, windows, the checkpoint's
 #     quantization_config. All of it but HF's bookkeeping, so a model's own
@@ -38,7 +40,8 @@ KV_VALUES_VERSION = 1
 #   dtype, quantization, override_attention_dtype: how K/V are computed.
 #   kv_cache_dtype(_skip_layers), calculate_kv_scales, mamba_(ssm_)cache_dtype:
 #     how they are stored.
-#   max_model_len: LongRoPE models pick their rope factors by it.
+#   max_model_len: LongRoPE models pick their rope factors by it (for other
+#     models a change of it is a miss: when in doubt, in).
 # Out: tokenizer, chat template, generation config, sampling, seed (a prefix's
 # K/V do not depend on them); cache_salt, LoRA and media (in the block hash; a
 # LoRA adapter rewritten in place under the same name and path is not
@@ -55,8 +58,10 @@ class KVValuesSource:
 
     model: str
     revision: str | None
+    download_dir: str | None
     load_format: str
     model_weights: str
+    loader_extra_config: str  # digest of load_config.model_loader_extra_config
     hf_config: str  # digest of the resolved HF config
     dtype: str | None
     quantization: str | None
@@ -75,7 +80,11 @@ class KVValuesSource:
         return cls(
             model=str(model.model),
             revision=_name(getattr(model, "revision", None)),
+            download_dir=_name(getattr(load, "download_dir", None)),
             load_format=str(getattr(load, "load_format", "auto")),
+            loader_extra_config=_config_digest(
+                getattr(load, "model_loader_extra_config", None) or {}
+            ),
             model_weights=str(getattr(model, "model_weights", "") or ""),
             hf_config=_config_digest(model.hf_config),
             dtype=_name(model.dtype),
@@ -100,10 +109,11 @@ def describe_kv_values(source: KVValuesSource) -> dict:
     (once, where a persistent tier starts), and logs the result."""
     start = time.monotonic()
     record = asdict(source)
-    del record["model"], record["revision"]  # the model's name is FileMapper's
+    # the model's name is FileMapper's; where it is cached is not its values
+    del record["model"], record["revision"], record["download_dir"]
     record["kv_cache_dtype_skip_layers"] = list(source.kv_cache_dtype_skip_layers)
     record["weights"] = weights_fingerprint(
-        source.model, source.revision, source.load_format
+        source.model, source.revision, source.load_format, source.download_dir
     )
     record["version"] = KV_VALUES_VERSION
     logger.info(
@@ -141,15 +151,24 @@ _EXCLUDED_CONFIG_KEYS = frozenset(
 def _config_digest(hf_config: Any) -> str:
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
     canonical = json.dumps(
-        _without_bookkeeping(config), sort_keys=True, default=str, separators=(",", ":")
+        _without_bookkeeping(config),
+        sort_keys=True,
+        default=_json,
+        separators=(",", ":"),
     )
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)  # one order in every process
+    return str(value)
 
 
 def _without_bookkeeping(value: Any) -> Any:
     if isinstance(value, dict):
         return {
-            k: _without_bookkeeping(v)
+            str(k): _without_bookkeeping(v)  # str keys: sortable
             for k, v in value.items()
             if k not in _EXCLUDED_CONFIG_KEYS
         }
@@ -163,6 +182,7 @@ def _without_bookkeeping(value: Any) -> Any:
 # code. Not the tokenizer, docs, or files a full hub download adds.
 _WEIGHT_SUFFIXES = (
     ".safetensors",
+    ".tensors",
     ".bin",
     ".pt",
     ".pth",
@@ -185,7 +205,10 @@ _DATA_OFFSETS = re.compile(rb'"data_offsets"\s*:\s*\[\s*(\d+)\s*,\s*(\d+)\s*\]')
 
 
 def weights_fingerprint(
-    model: str, revision: str | None = None, load_format: str = "auto"
+    model: str,
+    revision: str | None = None,
+    load_format: str = "auto",
+    download_dir: str | None = None,
 ) -> dict:
     """{"source", "digest"} of a model's checkpoint.
 
@@ -197,17 +220,19 @@ def weights_fingerprint(
     touches. Content, not mtimes: a touch, a copy or a fresh download keeps
     the namespace. Other files (pickles, gguf) are sampled over their bytes
     and their mtime is included: a sample cannot see every tensor there.
-    A hub model: the cache's blob names, which are content hashes.
+    A hub model: the cache's blob names, which are content hashes. Where a
+    safetensors file is, the loader reads no other format: .bin/.pt files
+    beside it (training state, a second copy) do not count.
     Neither, or no weight file found: "unknown" and a warning.
     """
     if load_format == "dummy":
         return {"source": "dummy", "digest": None}
-    why = "not a local path nor in the Hugging Face cache"
+    why = "not a local path, nor a snapshot in the Hugging Face cache"
     try:
-        if os.path.exists(model):
-            source, path = "local", model
-        else:
-            source, path = "hub", _hub_snapshot(model, revision)
+        source = "local" if os.path.exists(model) else "hub"
+        path = (
+            model if source == "local" else _hub_snapshot(model, revision, download_dir)
+        )
         if path is not None:
             files = [path] if os.path.isfile(path) else _weight_files(path)
             if any(f.endswith(_WEIGHT_SUFFIXES) for f in files):
@@ -225,13 +250,28 @@ def weights_fingerprint(
     return {"source": "unknown", "digest": None}
 
 
-def _hub_snapshot(model: str, revision: str | None) -> str | None:
+def _hub_snapshot(
+    model: str, revision: str | None, cache_dir: str | None
+) -> str | None:
+    """The snapshot folder of a hub model's revision in the Hugging Face cache,
+    however much of it was downloaded (vLLM downloads only the files its
+    loader reads); None if there is none."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, revision=revision, local_files_only=True)
-    except Exception:  # not cached, not a repo id, no huggingface_hub
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:
         return None
+    repo = os.path.join(
+        cache_dir or constants.HF_HUB_CACHE,
+        repo_folder_name(repo_id=model, repo_type="model"),
+    )
+    commit = revision or "main"
+    ref = os.path.join(repo, "refs", commit)
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
+    snapshot = os.path.join(repo, "snapshots", commit)
+    return snapshot if os.path.isdir(snapshot) else None
 
 
 def _weight_files(model_dir: str) -> list[str]:
@@ -247,18 +287,35 @@ def _weight_files(model_dir: str) -> list[str]:
                 continue
             if entry.is_file():  # follows links; not a FIFO, not a broken link
                 found.append(entry.path)
-            if len(found) > _MAX_FILES:
-                raise ValueError(f"more than {_MAX_FILES} weight files in {model_dir}")
+            if len(found) >= _MAX_FILES:
+                raise ValueError(f"{_MAX_FILES} or more weight files in {model_dir}")
+    if any(f.endswith(".safetensors") for f in found):
+        found = [
+            f
+            for f in found
+            if f.endswith(".safetensors") or not f.endswith(_WEIGHT_SUFFIXES)
+        ]
     return sorted(found)
 
 
 def _digest(paths: list[str]) -> str:
     with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
-        signatures = list(pool.map(_file_signature, paths))
+        signatures = list(pool.map(_signature_or_unreadable, paths))
     digest = hashlib.sha256()
     for path, signature in zip(paths, signatures):
         digest.update(os.fsencode(os.path.basename(path)) + b"\0" + signature)
     return digest.hexdigest()[:32]
+
+
+def _signature_or_unreadable(path: str) -> bytes:
+    """A weight file that cannot be read fails the fingerprint (OSError);
+    another checkpoint file (remote code, a config) counts as unreadable."""
+    try:
+        return _file_signature(path)
+    except OSError as e:
+        if path.endswith(_WEIGHT_SUFFIXES):
+            raise
+        return f"unreadable:{e.errno}".encode()
 
 
 def _file_signature(path: str) -> bytes:
@@ -271,8 +328,9 @@ def _file_signature(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"{stat.S_IFMT(st.st_mode)}".encode()
-        # samples far apart: no readahead around each
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        if hasattr(os, "posix_fadvise"):  # samples far apart: no readahead
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         parts = [str(st.st_size).encode()]
         header = None
         if path.endswith(".safetensors"):
