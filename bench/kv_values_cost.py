@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 10**9
 
 
-def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_tensors: int,
-                      real: bool = False):
+def sparse_checkpoint(
+    model_dir: Path, total_bytes: int, num_shards: int, num_tensors: int, real: bool = False
+):
     """num_shards safetensors files of total_bytes, num_tensors tensors spread over them:
     holes, or random bytes where real."""
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -35,8 +36,12 @@ def sparse_checkpoint(model_dir: Path, total_bytes: int, num_shards: int, num_te
         header = {"__metadata__": {"format": "pt"}}
         for i in range(per_shard):
             n = tensor_bytes // 2
+            offsets = [i * tensor_bytes, (i + 1) * tensor_bytes]
             header[f"model.layers.{shard}.t{i}.weight"] = {
-                "dtype": "BF16", "shape": [n], "data_offsets": [i * tensor_bytes, (i + 1) * tensor_bytes]}
+                "dtype": "BF16",
+                "shape": [n],
+                "data_offsets": offsets,
+            }
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)
         path = model_dir / f"model-{shard:05d}-of-{num_shards:05d}.safetensors"
@@ -75,8 +80,12 @@ def timed(model_dir: Path, runs: int = 5) -> tuple[float, float, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="where the files go (default: a temp dir)"
+    )
     ap.add_argument("--real-gb", type=int, default=4, help="size of the real checkpoint (0: none)")
     args = ap.parse_args()
     rows = []
@@ -98,7 +107,8 @@ def main() -> int:
             files = [p for p in model_dir.rglob("*") if p.is_file()]
             size = sum(p.stat().st_size for p in files)
             first, median, _ = timed(model_dir)
-            print(f"| {name} | {len(files)} | {size:,} | {first * 1000:.1f} | {median * 1000:.1f} |")
+            ms = f"{first * 1000:.1f} | {median * 1000:.1f}"
+            print(f"| {name} | {len(files)} | {size:,} | {ms} |")
     return 0
 
 

@@ -220,7 +220,7 @@ def main() -> None:
     build(pin, tgt)
     install_series()
     if PATCHES.is_dir():
-        say("next: `make test` (all groups, 15-20 min on 2 cores) or `make test GROUP=regression`")
+        say("next: `make test` (all groups, about 25 min on 2 cores) or `make test GROUP=regression`")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_get_file_name_full_structure():
     path = fm.get_file_name(key)
 
     expected_path = (
-        "/tmp/cache/test-model_d0cc2ab5414a_r3/000/10_g2/0001020304050607.bin"
+        "/tmp/cache/test-model_beb1c906a4be_r3/000/10_g2/0001020304050607.bin"
     )
     assert path == expected_path
 
