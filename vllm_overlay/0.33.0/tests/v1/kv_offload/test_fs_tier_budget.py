@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from tests.v1.kv_offload.test_kv_values import _source as values_source
 from tests.v1.kv_offload.test_tiering_hma import (  # noqa: F401 (fixtures)
     Engine,
     _remove_shm_regions,
@@ -62,7 +63,6 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
-from vllm.v1.kv_offload.kv_values import KVValuesSource
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -1200,23 +1200,8 @@ def test_other_layouts_say_what_differs(tmp_path, caplog_vllm):
     unused and can remove them."""
     rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
     root = str(tmp_path)
-    source = KVValuesSource(
-        model="test-model",
-        revision=None,
-        download_dir=None,
-        load_format="auto",
-        model_weights="",
-        loader_extra_config="0" * 32,
-        hf_config="1" * 32,
-        dtype="float16",
-        quantization=None,
-        override_attention_dtype=None,
-        kv_cache_dtype="auto",
-        kv_cache_dtype_skip_layers=(),
-        calculate_kv_scales=False,
-        mamba_cache_dtype="auto",
-        mamba_ssm_cache_dtype="auto",
-        max_model_len=1024,
+    source = values_source(
+        model="test-model", hf_config="1" * 32, dtype="float16", max_model_len=1024
     )
     first = make_tier(root, rows, kv_values_source=source)
     first.shutdown()
