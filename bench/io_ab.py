@@ -3,9 +3,9 @@
 one ("after") and one from a file ("before"), e.g. the code of the commit before a change.
 
 0.22.1 (the fs_python tier): --before is an io.py, its store_block/load_block swapped in (the
-figures patches 0036 and 0038 of patches/0.22.1 cite). 0.33.0 (run with .venv-0.33.0): --before
+figures patches 0036 and 0038 of patches/0.22.1 cite). 0.34.0 (run with .venv-0.34.0): --before
 is a csrc/fs_io.cpp, compiled here with g++ and its batch store/load swapped in for the
-installed fs_io_C's (the figures patch 0025 of patches/0.33.0 cites).
+installed fs_io_C's (the figures patch 0025 of patches/0.34.0 cites).
 
 One tier (bench/disk_bench.py's Point: 16 I/O threads, O_DIRECT, the journal committed before
 each timed store, the pages dropped before each load), the version swapped in per round;
@@ -15,8 +15,8 @@ printed.
 
     git -C build/vllm show HEAD~2:vllm/v1/kv_offload/tiering/fs/io.py > /tmp/io_before.py
     .venv/bin/python bench/io_ab.py --before /tmp/io_before.py [--row-kib 64] [--rounds 10]
-    git -C build/vllm-0.33.0 show HEAD~1:csrc/fs_io.cpp > /tmp/fs_io_before.cpp
-    .venv-0.33.0/bin/python bench/io_ab.py --before /tmp/fs_io_before.cpp
+    git -C build/vllm-0.34.0 show HEAD~1:csrc/fs_io.cpp > /tmp/fs_io_before.cpp
+    .venv-0.34.0/bin/python bench/io_ab.py --before /tmp/fs_io_before.cpp
 """
 
 import argparse
@@ -61,7 +61,7 @@ def python_versions(path: str) -> tuple[dict, object]:
 
 
 def compiled_versions(path: str) -> tuple[dict, object]:
-    """0.33.0: fs_io_C's batch store/load, installed and compiled from *path* (as make
+    """0.34.0: fs_io_C's batch store/load, installed and compiled from *path* (as make
     wheel compiles it, scripts/make_wheel.py)."""
     if not fs_io.has_compiled_io():
         raise BenchError("this tier does its I/O without fs_io_C: nothing to compare a .cpp with")
@@ -86,7 +86,7 @@ def compiled_versions(path: str) -> tuple[dict, object]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--before", required=True, help="the io.py (0.22.1) or fs_io.cpp (0.33.0) to compare"
+        "--before", required=True, help="the io.py (0.22.1) or fs_io.cpp (0.34.0) to compare"
     )
     ap.add_argument("--row-kib", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=0, help="default: 128 MiB of rows, <= 2048")

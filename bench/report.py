@@ -414,7 +414,7 @@ def sched_section(d: dict, goals: Goals) -> list[str]:
 
 
 def integrity_lines(d: dict) -> list[str]:
-    """The fs tier's checksum (`checksum`, or 0.33.0's `checksum_blocks`): on vs off."""
+    """The fs tier's checksum (`checksum`, or 0.34.0's `checksum_blocks`): on vs off."""
     setting = "checksum_blocks" if d.get("tier_type") == "fs" else "checksum"
     if not d.get("integrity_check"):
         return ["Integrity check: none in this tree (nothing to measure)."]
@@ -713,13 +713,13 @@ def rows_table(d: dict, goals: Goals, title: str, track: str = "") -> tuple[list
     return out, points
 
 
-def disk_0330_section(d: dict, goals: Goals) -> list[str]:
-    """The 0.33.0 track's fs tier (its C batch path) vs raw: goals 2 and 4 on that track."""
-    track = " (0.33.0 track)"
+def disk_upstream_section(d: dict, goals: Goals) -> list[str]:
+    """The 0.34.0 track's fs tier (its C batch path) vs raw: goals 2 and 4 on that track."""
+    track = " (0.34.0 track)"
     out, _ = rows_table(
         d,
         goals,
-        "### 2b. The 0.33.0 track's `fs` tier (a job is one C batch, GIL released) vs raw",
+        "### 2b. The 0.34.0 track's `fs` tier (a job is one C batch, GIL released) vs raw",
         track,
     )
     out += ["", *integrity_lines(d)]
@@ -727,15 +727,15 @@ def disk_0330_section(d: dict, goals: Goals) -> list[str]:
     return out
 
 
-def disk_section(d: dict, goals: Goals, d0330: dict | None = None) -> tuple[list[str], list[dict]]:
+def disk_section(d: dict, goals: Goals, d_upstream: dict | None = None) -> tuple[list[str], list[dict]]:
     out, points = rows_table(
         d, goals, f"## 2. Disk tier: {d.get('tier_type', 'fs_python')} vs raw file-per-block I/O"
     )
     goal_file_sizes(goals, points)
     out += ["", *integrity_lines(d)]
     goal_integrity(goals, d)
-    if d0330:
-        out += ["", *disk_0330_section(d0330, goals)]
+    if d_upstream:
+        out += ["", *disk_upstream_section(d_upstream, goals)]
 
     h0 = d["hma"][0]
     out += [
@@ -1009,7 +1009,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sched", default=str(TMP / "sched.json"))
     ap.add_argument("--disk", default=str(TMP / "disk.json"))
-    ap.add_argument("--disk-0330", default=str(TMP / "disk-0330.json"))
+    ap.add_argument("--disk-upstream", default=str(TMP / "disk-upstream.json"))
     ap.add_argument("--budget", default=str(TMP / "budget.json"))
     ap.add_argument("--reach", default=str(TMP / "reach.json"))
     ap.add_argument("--layout", default=str(TMP / "layout.json"))
@@ -1065,9 +1065,9 @@ def main() -> int:
     if sched:
         lines += sched_section(sched, goals) + [""]
     if disk:
-        p0330 = Path(args.disk_0330)
-        d0330 = json.loads(p0330.read_text()) if p0330.exists() else None
-        disk_lines, points = disk_section(disk, goals, d0330)
+        p_upstream = Path(args.disk_upstream)
+        d_upstream = json.loads(p_upstream.read_text()) if p_upstream.exists() else None
+        disk_lines, points = disk_section(disk, goals, d_upstream)
         lines += disk_lines + [""]
     else:
         for n in range(2, 7):

@@ -17,7 +17,7 @@ from pathlib import Path
 from common import QUICK, TMP, VENV_PY, BenchError, check_venv, run_main, say, vllm_env
 
 HERE = Path(__file__).resolve().parent
-VENV_0330_PY = HERE.parent / ".venv-0.33.0" / "bin" / "python"
+VENV_UPSTREAM_PY = HERE.parent / ".venv-0.34.0" / "bin" / "python"
 E2E_SKIPPED = (
     "skipped: a cold-restart time-to-first-token comparison needs at least three engine starts "
     "(store, cold restart loading from disk, recompute without the connector) at 1-3 minutes "
@@ -47,7 +47,7 @@ def main() -> int:
     for old in (
         "sched.json",
         "disk.json",
-        "disk-0330.json",
+        "disk-upstream.json",
         "budget.json",
         "reach.json",
         "layout.json",
@@ -59,19 +59,19 @@ def main() -> int:
     )
     step("sched_bench.py")
     step("disk_bench.py")
-    if VENV_0330_PY.exists():  # the 0.33.0 track's tier, where that track is built
+    if VENV_UPSTREAM_PY.exists():  # the 0.34.0 track's tier, where that track is built
         step(
             "disk_bench.py",
             "--sections",
             "rows,integrity",
             "--out",
-            str(TMP / "disk-0330.json"),
-            python=VENV_0330_PY,
+            str(TMP / "disk-upstream.json"),
+            python=VENV_UPSTREAM_PY,
         )
     else:
         say(
-            f"disk tier of the 0.33.0 track: skipped, {VENV_0330_PY} is not built "
-            "(VLLM_VERSION=0.33.0 make apply builds it)"
+            f"disk tier of the 0.34.0 track: skipped, {VENV_UPSTREAM_PY} is not built "
+            "(VLLM_VERSION=0.34.0 make apply builds it)"
         )
     step("budget_bench.py")
     step("budget_reach.py")

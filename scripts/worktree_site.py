@@ -2,7 +2,7 @@
 """Build a site folder that imports vLLM as a checkout's work tree has it, uncommitted
 edits included, without reinstalling the venv: the fast loop while writing a patch.
 
-    PYTHONPATH=$(scripts/worktree_site.py build/vllm-0.33.0) .venv-0.33.0/bin/python -m pytest ...
+    PYTHONPATH=$(scripts/worktree_site.py build/vllm-0.34.0) .venv-0.34.0/bin/python -m pytest ...
 
 The folder (build/worktree-site-<checkout name>) holds hard links to the track venv's
 installed vllm package (its compiled parts included), except the vllm/ files the work tree

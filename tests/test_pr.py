@@ -33,8 +33,8 @@ repos:
 """
 
 
-# vLLM 0.33.0's .github/PULL_REQUEST_TEMPLATE.md (its sections, its checklist, its last line)
-TEMPLATE_0_33 = """\
+# vLLM 0.34.0's .github/PULL_REQUEST_TEMPLATE.md (its sections, its checklist, its last line)
+TEMPLATE_UPSTREAM = """\
 <!-- markdownlint-disable -->
 
 ## Overview
@@ -120,7 +120,7 @@ def track(project_copy, tmp_path):
     (repo / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
     (repo / ".pre-commit-config.yaml").write_text(FAKE_HOOKS)
     (repo / ".github").mkdir()
-    (repo / ".github" / "PULL_REQUEST_TEMPLATE.md").write_text(TEMPLATE_0_33)
+    (repo / ".github" / "PULL_REQUEST_TEMPLATE.md").write_text(TEMPLATE_UPSTREAM)
     commit(repo, "vLLM (pristine)")
     git(repo, "tag", "v0.22.1")
     (repo / "vllm" / "a.py").write_text("X = 2\n")
@@ -309,12 +309,12 @@ def test_pr_md_follows_another_releases_template():
 
 
 def test_every_unit_of_the_upstream_track_fits_400_words():
-    """Each unit of patches/0.33.0/pr-units.toml, with its real commit messages and a
+    """Each unit of patches/0.34.0/pr-units.toml, with its real commit messages and a
     before/after table of 40 tests, shows at most 400 words before any <details>."""
     import tempfile
 
-    units = kit.load_units("0.33.0")
-    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    units = kit.load_units("0.34.0")
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
     cases = {f"t.py::test_{i}": ("failed" if i % 2 else "passed", "AssertionError: " + "x" * 200)
              for i in range(40)}
     before = {"cases": cases, "seconds": 9, "rc": 1, "command": "pytest before"}
@@ -331,7 +331,7 @@ def test_every_unit_of_the_upstream_track_fits_400_words():
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / unit.name / "PR.md"
             path.parent.mkdir()
-            words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}",
+            words = kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", f"pr/{unit.name}",
                                     "0" * 40, msgs, None, before, after, ME, tpl,
                                     kit.builds_on(unit, units))
         assert words <= kit.VISIBLE_WORDS, (unit.name, words)
@@ -340,7 +340,7 @@ def test_every_unit_of_the_upstream_track_fits_400_words():
 def test_the_fs_tier_fixes_are_units_of_their_own():
     """fs-tier-faults (eight commits) is split: each fix is a unit with its own tests; a unit
     carries another's patches only where its code builds on them."""
-    units = {u.name: u for u in kit.load_units("0.33.0")}
+    units = {u.name: u for u in kit.load_units("0.34.0")}
     assert "fs-tier-faults" not in units
     fs = {n: [p.name[:4] for p in u.patches] for n, u in units.items() if n.startswith("fs-")}
     assert fs == {
@@ -465,13 +465,13 @@ def test_a_units_measurement_is_folded_into_details_and_left_unchanged():
     itself is only read."""
     import tempfile
 
-    units = {u.name: u for u in kit.load_units("0.33.0")}
+    units = {u.name: u for u in kit.load_units("0.34.0")}
     unit = next(u for u in units.values() if u.measured)
-    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
     sources = {p: p.read_bytes() for p in unit.measured}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "PR.md"
-        words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}", "0" * 40,
+        words = kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", f"pr/{unit.name}", "0" * 40,
                                 [], None, None, None, ME, tpl,
                                 kit.builds_on(unit, list(units.values())))
         md = path.read_text()
@@ -545,12 +545,12 @@ def test_a_units_validation_file_is_shown_in_validation():
     Validation section, under their heading, within the visible-word limit."""
     import tempfile
 
-    units = {u.name: u for u in kit.load_units("0.33.0")}
+    units = {u.name: u for u in kit.load_units("0.34.0")}
     unit = next(u for u in units.values() if u.validation)
-    tpl = kit.parse_template(TEMPLATE_0_33, "0.33.0's")
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "PR.md"
-        words = kit.write_pr_md(path, unit, "0.33.0", "v0.33.0", f"pr/{unit.name}", "0" * 40,
+        words = kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", f"pr/{unit.name}", "0" * 40,
                                 [], None, None, None, ME, tpl,
                                 kit.builds_on(unit, list(units.values())))
         md = path.read_text()

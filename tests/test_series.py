@@ -38,21 +38,90 @@ def test_drift_between_overlay_and_patches_fails(tmp_path, monkeypatch):
     assert f"vllm/extra.py: in {overlay}/, not in patches/{V}/" in str(e.value)
 
 
-def test_every_patch_says_why_and_invents_no_sign_off():
-    patches = sorted((ROOT / "patches").glob("*/*.patch"))
-    assert patches and {p.parent.name for p in patches} >= {V}
+# Every series folder of patches/ (the default track's and the upstream track's).
+SERIES = sorted(d.name for d in (ROOT / "patches").iterdir() if any(d.glob("*.patch")))
+SUBJECT_MAX, BODY_MAX, WIDTH = 72, 15, 72  # vLLM's commit messages: a subject line, a short body
+
+
+def patch_message(text: str) -> tuple[str, list[str]]:
+    """A format-patch file's subject (the `Subject:` header unfolded, without `[PATCH n/m] `)
+    and its body lines (between the header and the `---` line, trailers left out)."""
+    head, _, rest = text.partition("\n\n")
+    subject = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", head, re.M).group(1)
+    subject = re.sub(r"^\[PATCH[^\]]*\] ", "", re.sub(r"\n[ \t]", " ", subject))
+    paras = re.split(r"\n[ \t]*\n", rest.split("\n---\n")[0].strip("\n"))
+    if paras and all(re.match(r"[A-Za-z][\w-]*: ", line) for line in paras[-1].split("\n")):
+        paras = paras[:-1]  # the trailers
+    return subject, "\n\n".join(paras).rstrip("\n").split("\n") if paras else []
+
+
+@pytest.mark.parametrize("version", SERIES)
+def test_every_patch_says_why_in_a_short_message_without_sign_off(version):
+    """As vLLM writes commit messages: an area tag, a subject of at most 72 characters, a body
+    of at most 15 lines wrapped at 72 columns (what the patch fixes and why, the test that
+    guards it). The upstream status and when to drop a patch are in docs/series.md."""
+    patches = sorted((ROOT / "patches" / version).glob("*.patch"))
+    assert patches and V in SERIES
+    too_long = []
     for p in patches:
         text = p.read_text()
-        subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", text, re.M).group(1)
+        subject, body = patch_message(text)
         # vLLM's convention: an area tag, e.g. [KV Offloading] or [Core]
         assert re.match(r"\[(KV Offloading|Core)\] \S", subject), p.name
         # A Signed-off-by certifies the DCO for a real person: the contributor adds it at
         # PR time (make pr); the project never writes one.
         assert not re.search(r"^Signed-off-by:", text, re.M), p.name
-        message = text.split("\n---\n")[0]
-        assert "Upstream status:" in message, f"{p.name}: no 'Upstream status:' paragraph"
-        # when it can be dropped, or (tests only) that it is kept
-        assert re.search(r"[Dd]rop|[Kk]eep", message), f"{p.name}: no drop/keep rule"
+        assert body and body[0].strip(), f"{p.name}: no body saying why"
+        # a line over 72 columns only where it cannot be broken (one long path or URL)
+        wide = [line for line in body if len(line) > WIDTH and " " in line.strip()]
+        if len(subject) > SUBJECT_MAX or len(body) > BODY_MAX or wide:
+            too_long.append(f"{p.name}: subject {len(subject)} chars, body {len(body)} lines"
+                            + (f", {len(wide)} line(s) over {WIDTH} columns" if wide else ""))
+    assert not too_long, (f"messages over {SUBJECT_MAX} chars / {BODY_MAX} lines:\n"
+                          + "\n".join(too_long))
+
+
+def series_md_rows(version: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The header cells and the rows (by patch number; `0008-0010` names three) of the table
+    under docs/series.md's `## The <version> series` heading."""
+    text = (ROOT / "docs" / "series.md").read_text()
+    m = re.search(rf"^## The {re.escape(version)} series.*?(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"docs/series.md has no '## The {version} series' section"
+
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split(" | ")]
+
+    lines = m.group(0).split("\n")
+    header = next((cells(line) for line in lines if line.startswith("| patch |")), [])
+    rows = {}
+    for line in lines:
+        n = re.match(r"\| (\d{4})(?:-(\d{4}))? ", line)
+        if n:
+            for i in range(int(n.group(1)), int(n.group(2) or n.group(1)) + 1):
+                rows[f"{i:04d}"] = cells(line)
+    return header, rows
+
+
+@pytest.mark.parametrize("version", SERIES)
+def test_every_patch_has_a_series_md_row_with_upstream_status_and_drop_rule(version):
+    """docs/series.md carries what the messages do not: for every patch, a row under its
+    series' heading naming its number, with its upstream status and when it can be dropped
+    (or, for tests, that it is kept)."""
+    header, rows = series_md_rows(version)
+    lower = [h.lower() for h in header]
+    assert "upstream" in lower and "drop when" in lower, (
+        f"docs/series.md, the {version} table: columns {header}, want 'upstream' and 'drop when'")
+    up, drop = lower.index("upstream"), lower.index("drop when")
+    missing, empty = [], []
+    for p in sorted((ROOT / "patches" / version).glob("*.patch")):
+        row = rows.get(p.name[:4])
+        if row is None:
+            missing.append(p.name)
+        elif len(row) != len(header) or any(
+                row[i].strip(" -?").lower() in ("", "tbd", "todo") for i in (up, drop)):
+            empty.append(p.name)
+    assert not missing, f"no row in docs/series.md's {version} table: {missing}"
+    assert not empty, f"rows without an upstream status or a drop/keep rule: {empty}"
 
 
 def test_apply_builds_the_series_and_is_idempotent(project_copy):
@@ -185,19 +254,19 @@ def test_export_of_another_version_writes_its_own_series_only(project_copy, tmp_
 
 
 def test_export_refuses_to_overwrite_a_borrowed_series(project_copy, tmp_path):
-    """A release whose pin names another track's series (`series = "0.33.0"`) applies that
+    """A release whose pin names another track's series (`series = "0.34.0"`) applies that
     series as it is: `make patches` there would write commits made on its own tag over
-    patches/0.33.0/; it refuses, writing nothing."""
+    patches/0.34.0/; it refuses, writing nothing."""
     pin = (project_copy / "pins" / "vllm-0.32.0.toml").read_text()
     pin = pin.replace("0.32.0", "0.31.0").replace('tag = "v0.31.0"\n',
-                                                  'tag = "v0.31.0"\nseries = "0.33.0"\n')
-    assert 'series = "0.33.0"' in pin
+                                                  'tag = "v0.31.0"\nseries = "0.34.0"\n')
+    assert 'series = "0.34.0"' in pin
     (project_copy / "pins" / "vllm-0.31.0.toml").write_text(pin)
     _fake_checkout(project_copy / "build" / "vllm-0.31.0", "v0.31.0", commits=1)
     before = _snapshot(project_copy)
     r = run_script(project_copy, "export_patches.py", env={"VLLM_VERSION": "0.31.0"})
     assert r.returncode == 2
-    assert "applies the 0.33.0 series" in r.stderr and "Nothing was written" in r.stderr
+    assert "applies the 0.34.0 series" in r.stderr and "Nothing was written" in r.stderr
     assert _snapshot(project_copy) == before
     out = tmp_path / "elsewhere"
     r = run_script(project_copy, "export_patches.py", "--out", str(out),

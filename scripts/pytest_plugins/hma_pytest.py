@@ -98,7 +98,7 @@ def _no_device() -> bool:
 
 # They build a torch device or an engine from the platform's device type, which platform
 # "unspecified" (the upstream track's CUDA wheel on this CPU machine) does not have;
-# measured failing the same way on pristine 0.33.0.
+# measured failing the same way on pristine 0.34.0.
 _NO_DEVICE = 'needs a device platform (CUDA): platform "unspecified" has no device type'
 NOT_RUNNABLE["tests/v1/kv_connector/unit/offloading_connector/test_worker.py::"
              "test_register_packed_kv_caches_skips_scratch_group"] = (_no_device, _NO_DEVICE)
@@ -106,7 +106,7 @@ NOT_RUNNABLE["tests/v1/kv_connector/unit/test_offloading_connector.py::"
              "test_tiering_cache_reset_resumes_promotions_on_idle_engine"] = (_no_device, _NO_DEVICE)
 
 
-# vLLM 0.33.0's multi-process race tests and a zmq reconnect test wait on fixed deadlines
+# vLLM 0.34.0's multi-process race tests and a zmq reconnect test wait on fixed deadlines
 # (queue.get timeouts, a 30 s lookup expiry); on a shared 2-core machine they miss them now
 # and then, pristine and patched alike (measured here: queue.Empty, "P2P session did not
 # reach the expected state"), and each passes alone. Skipped there, with the reason shown.
@@ -131,7 +131,7 @@ def pytest_configure(config):
     from vllm.platforms import current_platform
     from vllm.platforms.interface import UnspecifiedPlatform
 
-    # Without this, 114 tests of vLLM 0.33.0's offloading_connector/test_scheduler.py fail
+    # Without this, 114 tests of vLLM 0.34.0's offloading_connector/test_scheduler.py fail
     # here at VllmConfig("Hybrid KV cache manager was explicitly enabled but is not
     # supported"), pristine and patched alike; with it they pass on both (measured).
     if isinstance(current_platform, UnspecifiedPlatform):

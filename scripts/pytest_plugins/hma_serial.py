@@ -10,7 +10,7 @@ SERIAL = (
     *(_SHM_TESTS + n for n in ("test_multi_worker_race_", "test_multiprocess_race_",
                                "test_create_next_view_multiprocess_slots",
                                "test_create_next_worker_view_multiprocess_slots")),
-    # a method of a class in 0.33.0: a nodeid prefix must name the class
+    # a method of a class in 0.34.0: a nodeid prefix must name the class
     "tests/v1/kv_offload/tiering/p2p/test_manager.py::TestBidirectionalManager::"
     "test_lookup_expiry_allows_zmq_reconnect",
 )

@@ -1,0 +1,1609 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Regression tests for the fs tier's byte budget (max_bytes).
+
+Through the real TieringOffloadingManager with its CPU primary tier and the
+real fs tier writing real files, with the keys and their prompt positions
+the real connector scheduler derives from real requests (its
+RequestOffloadState), and hits looked up through the real connector
+scheduler: the tier's files stay within max_bytes after every store of a
+workload larger than it, a prefix loses its tail before its head (no kept
+file is unreachable), a restart over files beyond the budget trims them the
+same way, and the budget is reported to vLLM's KV offload metrics. Bad
+settings are refused.
+"""
+
+import dataclasses
+import errno
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.v1.kv_offload.test_kv_values import _source as values_source
+from tests.v1.kv_offload.test_tiering_hma import (  # noqa: F401 (fixtures)
+    Engine,
+    _remove_shm_regions,
+    _sha256_block_hashes,
+    expected_hit_tokens,
+    finish_tier_io,
+    model_config,
+    ref_cnts,
+    settle_step,
+    tiering_manager,
+    write_chunks,
+)
+from tests.v1.kv_offload.tiering.test_fs_tier import (
+    _CTX,
+    _make_offloading_spec,
+    _page_aligned_zero_tensor,
+    drain,
+    lookup_and_wait,
+    make_job,
+)
+from tests.v1.kv_offload.tiering.test_fs_tier_security import key_file
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    RequestOffloadState,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.request import Request
+
+# the budget's metrics (vllm/v1/kv_offload/tiering/fs/manager.py)
+BUDGET_USED_BYTES = "vllm:kv_offload_fs_budget_used_bytes"
+BUDGET_MAX_BYTES = "vllm:kv_offload_fs_budget_max_bytes"
+BUDGET_EVICTED_FILES = "vllm:kv_offload_fs_budget_evicted_files"
+BUDGET_REJECTED_FILES = "vllm:kv_offload_fs_budget_rejected_files"
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+_CHUNKS = 6  # chunks per prompt: a shared head of 3, a tail of 3
+
+
+def block_files(root_dir: str) -> set[str]:
+    """Stems (<hash hex>_g<group>) of the block files under root_dir."""
+    return {
+        f"{f[:-4]}_g{d.rsplit('_g', 1)[1]}"
+        for d, _, files in os.walk(root_dir)
+        for f in files
+        if f.endswith(".bin")
+    }
+
+
+def disk_bytes(root_dir: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root_dir)
+        for f in files
+        if f.endswith((".bin", ".tmp"))
+    )
+
+
+def stem(key: OffloadKey) -> str:
+    return f"{key[:-4].hex()}_g{int.from_bytes(key[-4:], 'big')}"
+
+
+def budget_engine(model_cfg, layout: str, root_dir: str, **tier) -> Engine:
+    engine = Engine(model_cfg, layout, root_dir, 64)
+    assert engine.vllm_config.kv_transfer_config is not None
+    extra = engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra["secondary_tiers"][0].update(tier)
+    return engine
+
+
+def chunk_bytes_on_disk(engine: Engine) -> int:
+    """Bytes of one chunk on disk: one row of the CPU tier per group."""
+    spec = engine.spec()
+    return len(spec.config.groups) * spec.kv_bytes_per_chunk
+
+
+def prompt(engine: Engine, p: int, num_heads: int = 2):
+    """Prompt p: _CHUNKS chunks plus one token; its first half is shared
+    with the other prompts of its head."""
+    head = [(11 * i + 101 * (p % num_heads)) % 500 for i in range(3 * 16)]
+    tail = [(7 * i + 13 * p + 1) % 500 for i in range(3 * 16 + 1)]
+    return Request(
+        request_id=f"req{p}",
+        prompt_token_ids=head + tail,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+    )
+
+
+def store_prompt(sched, request, on_step=None) -> list[list[OffloadKey]]:
+    """What the connector scheduler offloads of a request, in prompt order,
+    one store job per chunk of the coarsest group (every group's keys of
+    those tokens), each cascaded to the fs tier, with the keys and the
+    positions the connector's RequestOffloadState gives them. Returns the
+    request's keys per group."""
+    manager = tiering_manager(sched)
+    ctx = ReqContext(request.request_id)
+    state = RequestOffloadState(
+        config=sched.config, req=request, req_context=ctx, offloading_context=None
+    )
+    state.update_offload_keys()  # the keys, and their positions in ctx
+    groups = [list(g.offload_keys) for g in state.group_states]
+    with manager.lock:
+        manager.on_new_request(ctx)
+    step = math.lcm(*(c.tokens_per_chunk for c in sched.config.kv_group_configs))
+    for end in range(step, request.num_tokens + step, step):
+        keys = [
+            k
+            for g in groups
+            for k in g
+            if end - step < (ctx.get_offload_key_position(k) or 0) <= end
+        ]
+        if not keys:
+            continue
+        with manager.lock:
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            if out.keys_to_store:  # not those the CPU tier holds already
+                write_chunks(
+                    manager,
+                    out.keys_to_store,
+                    out.store_spec.chunk_ids,  # type: ignore[attr-defined]
+                )
+                manager.complete_store(out.keys_to_store, ctx)  # to the fs tier
+        finish_tier_io(manager)
+        with manager.lock:
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+        if on_step is not None:
+            on_step()
+    with manager.lock:
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+    return groups
+
+
+def unreachable_files(
+    prompts: list[list[list[OffloadKey]]],
+    files: set[str],
+    sched,
+    stem: Callable[[OffloadKey], str] = stem,
+) -> set[str]:
+    """Kept block files of a prompt's chunks past the first token a
+    full-attention group lost: they can never hit."""
+    configs = sched.config.kv_group_configs
+    unreachable: set[str] = set()
+    for groups in prompts:
+        # the first token not covered by a kept full-attention chunk
+        end = min(
+            next((i for i, k in enumerate(keys) if stem(k) not in files), len(keys))
+            * config.tokens_per_chunk
+            for keys, config in zip(groups, configs)
+            if config.sliding_window_size_in_chunks is None
+        )
+        for keys, config in zip(groups, configs):
+            unreachable.update(
+                stem(k)
+                for j, k in enumerate(keys)
+                if (j + 1) * config.tokens_per_chunk > end and stem(k) in files
+            )
+    return unreachable
+
+
+# ---------------------------------------------------------------------------
+# Through the real connector scheduler
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma3", "gemma4"])
+def test_budget_holds_and_prefixes_stay_whole(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    layout,
+):
+    """12 prompts with shared heads, four times the budget: after every
+    store the tier's files take at most max_bytes plus one store job, at the
+    end at most max_bytes; no kept file is unreachable (a prefix lost its
+    tail first, every group's file of a chunk at once), and a cold engine
+    hits the last prompt whole from disk through the connector scheduler."""
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    max_bytes = 10 * chunk
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    peak = [0]
+
+    def measure():
+        used = disk_bytes(root_dir)
+        peak[0] = max(peak[0], used)
+        assert used <= max_bytes + chunk, (used, max_bytes)
+
+    prompts = []
+    try:
+        for p in range(12):
+            prompts.append(store_prompt(sched, prompt(engine, p), measure))
+        assert disk_bytes(root_dir) <= max_bytes
+    finally:
+        sched.shutdown()
+    files = block_files(root_dir)
+    assert peak[0] >= max_bytes - chunk  # the workload filled the budget
+    assert not unreachable_files(prompts, files, sched)
+    # the last prompt is kept whole: its chunks are the most recent
+    assert all(stem(k) in files for keys in prompts[-1] for k in keys)
+
+    sched = engine.connector_scheduler()  # cold: an empty CPU tier
+    try:
+        request = prompt(engine, 11)
+        sched.on_new_request(request)
+        settled: set[str] = set()
+        for _ in range(3):
+            settle_step(sched, [request], settled)
+        hit, _ = sched.get_num_new_matched_tokens(request, 0)
+        assert hit == expected_hit_tokens(sched, request.num_tokens)
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "key_file"])
+def test_restart_over_budget_trims_tails_first(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    keyed,
+):
+    """Files of an earlier run beyond the budget (a larger one then): at
+    start the tier indexes them in the background and trims them to
+    max_bytes, tail first (the kept files of each prompt are a prefix of it:
+    the order comes from the tier's journal, not file times). With a
+    key_file the files are named by a keyed hash: the same, by those names."""
+    layout = "gemma3"
+    root_dir = str(tmp_path / "fs")
+    key_config = {}
+    if keyed:
+        key_path = tmp_path / "tier.key"
+        key_path.write_bytes(bytes(range(32)))
+        key_path.chmod(0o600)
+        key_config = {"key_file": str(key_path)}
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    engine = budget_engine(
+        model_config, layout, root_dir, max_bytes=100 * chunk, **key_config
+    )
+    sched = engine.connector_scheduler()
+    try:
+        prompts = [store_prompt(sched, prompt(engine, p, 6)) for p in range(6)]
+    finally:
+        sched.shutdown()
+    assert len(block_files(root_dir)) == 6 * _CHUNKS * len(prompts[0])
+    # file times say nothing of the order: the newest file is a prompt's head
+    for d, _, files in os.walk(root_dir):
+        for f in files:
+            if f.endswith(".bin"):
+                os.utime(os.path.join(d, f), (1e9, 1e9 + len(f) % 7))
+
+    max_bytes = 10 * chunk
+    engine = budget_engine(
+        model_config, layout, root_dir, max_bytes=max_bytes, **key_config
+    )
+    sched = engine.connector_scheduler()
+    try:
+        (tier,) = tiering_manager(sched).secondary_tiers
+        assert isinstance(tier, FileSystemTierManager)
+        assert tier._budget is not None and tier._budget.scan_done.wait(30)
+        assert tier._budget.used <= max_bytes
+    finally:
+        sched.shutdown()
+    files = block_files(root_dir)
+    assert 0 < disk_bytes(root_dir) <= max_bytes
+
+    def file_stem(key: OffloadKey) -> str:  # the name the tier gives key's file
+        name = os.path.basename(tier.file_mapper.get_file_name(key))
+        return f"{name[:-4]}_g{int.from_bytes(key[-4:], 'big')}"
+
+    assert not unreachable_files(prompts, files, sched, file_stem)
+    if keyed:  # the files are named by the keyed hash, not the block hash
+        assert not set(files) & {stem(k) for p in prompts for g in p for k in g}
+
+
+def test_budget_is_reported_to_kv_offload_metrics(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+):
+    """The tiering manager's stats carry the tier's bytes used, its budget,
+    and the files it evicted and rejected (counters: deltas per report), and
+    the spec declares those metrics."""
+    layout = "llama"
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    chunk = chunk_bytes_on_disk(probe)
+    max_bytes = 4 * chunk
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    assert engine.vllm_config.kv_transfer_config is not None
+    definitions = TieringOffloadingSpec.build_metric_definitions(
+        engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+    )
+    for name in (
+        BUDGET_USED_BYTES,
+        BUDGET_MAX_BYTES,
+        BUDGET_EVICTED_FILES,
+        BUDGET_REJECTED_FILES,
+    ):
+        assert name in definitions
+    sched = engine.connector_scheduler()
+    manager = tiering_manager(sched)
+    try:
+        label = ("fs",)
+        # 6 chunks into 4: the head is kept, the 5th does not fit (the 4th,
+        # its parent, stays while it is written) and the 6th, after it, is
+        # not written
+        store_prompt(sched, prompt(engine, 0))
+        with manager.lock:
+            stats = manager.get_stats()
+            assert stats is not None
+            values = stats.data["data"]
+        assert values[BUDGET_MAX_BYTES][label] == max_bytes
+        assert values[BUDGET_USED_BYTES][label] == 4 * chunk
+        assert values[BUDGET_EVICTED_FILES][label] == 0
+        assert values[BUDGET_REJECTED_FILES][label] == 1
+        # another prompt replaces the first, tail first
+        store_prompt(sched, prompt(engine, 1))
+        with manager.lock:
+            stats = manager.get_stats()
+            assert stats is not None
+            values = stats.data["data"]
+        assert values[BUDGET_USED_BYTES][label] == 4 * chunk
+        assert values[BUDGET_EVICTED_FILES][label] == 4  # since the last report
+        assert values[BUDGET_REJECTED_FILES][label] == 1
+        assert all(c == 0 for c in ref_cnts(manager))
+    finally:
+        sched.shutdown()
+
+
+def request_of(engine: Engine, req_id: str, tokens: list[int]) -> Request:
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+    )
+
+
+def test_a_chunk_past_a_gap_writes_no_file_of_any_group(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+):
+    """Sliding window + full attention (gemma3): a head of 4 chunks is
+    evicted from disk by other prompts but stays in the CPU tier; a prompt
+    of that head plus 4 chunks of its own stores only its 4 chunks (the CPU
+    tier holds the head), whose full-attention files could never hit from
+    disk (the chunk before them is not there). None of their files is
+    written, the sliding-window ones included: they would take the budget's
+    room and evict what can still hit."""
+    layout = "gemma3"
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    max_bytes = 4 * chunk_bytes_on_disk(probe)
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    head = [(11 * i + 5) % 500 for i in range(4 * 16)]
+    try:
+        store_prompt(sched, request_of(engine, "head", head + [1]))
+        for p in range(3):  # other prompts fill the budget: the head goes
+            other = [(7 * i + 13 * p + 2) % 500 for i in range(4 * 16 + 1)]
+            store_prompt(sched, request_of(engine, f"other{p}", other))
+        tail = head + [(3 * i) % 500 for i in range(65)]
+        keys = store_prompt(sched, request_of(engine, "tail", tail))
+        files = block_files(root_dir)
+    finally:
+        sched.shutdown()
+    assert stem(keys[0][3]) not in files  # the head's last chunk is gone
+    written = {stem(k) for group in keys for k in group[4:]} & files
+    assert not written, sorted(written)
+    assert not unreachable_files([keys], files, sched)
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "gemma4"])
+def test_no_kept_file_is_unreachable_with_sliding_window_groups(
+    model_config,  # noqa: F811 (a fixture of test_tiering_hma)
+    tmp_path,
+    layout,
+):
+    """A shared-prefix workload with revisits over a budget of 16 chunks
+    (issue 19's measurement): 32 prompts of 4 shared heads and 4 chunks of
+    their own, then 64 revisits, each looked up through the connector
+    scheduler (promoting its disk hit) and then offloaded. Heads and tails
+    leave the disk while the CPU tier still holds chunks before them, so
+    stores come past gaps. After each request (its jobs done) no kept file
+    is unreachable: no file of any group is written past a full-attention
+    gap (gemma4: full-attention chunks of 32 tokens, sliding-window ones of
+    16), and a chunk left with sliding-window files alone goes with its
+    evicted full-attention child."""
+    root_dir = str(tmp_path / "fs")
+    probe = Engine(model_config, layout, root_dir, 64)
+    max_bytes = 16 * chunk_bytes_on_disk(probe)
+    engine = budget_engine(model_config, layout, root_dir, max_bytes=max_bytes)
+    sched = engine.connector_scheduler()
+    (tier,) = tiering_manager(sched).secondary_tiers
+    budget = tier._budget  # type: ignore[attr-defined]
+    heads = [[(11 * i + 101 * h + 3) % 500 for i in range(64)] for h in range(4)]
+    prompts = [
+        heads[p % 4] + [(7 * i + 13 * p + 1) % 500 for i in range(65)]
+        for p in range(32)
+    ]
+    rng = random.Random(19)
+    order = list(range(32)) + [
+        max(rng.randrange(32), rng.randrange(32)) for _ in range(64)
+    ]
+    all_keys: list = []
+    counts = []  # unreachable / kept files after each request
+    try:
+        for i, p in enumerate(order):
+            lookup = request_of(engine, f"lookup{i}", prompts[p])
+            sched.on_new_request(lookup)
+            settled: set[str] = set()
+            for _ in range(3):
+                settle_step(sched, [lookup], settled)
+            assert settled
+            keys = store_prompt(sched, request_of(engine, f"req{i}", prompts[p]))
+            if i < 32:
+                all_keys.append(keys)
+            # not halfway through the budget thread's removals
+            wait_until(lambda: budget.unlinking == 0)
+            files = block_files(root_dir)
+            lost = unreachable_files(all_keys, files, sched)
+            counts.append(f"{len(lost)}/{len(files)}")
+    finally:
+        sched.shutdown()
+    assert all(c.startswith("0/") for c in counts), counts
+
+
+# ---------------------------------------------------------------------------
+# At the tier
+# ---------------------------------------------------------------------------
+
+_ROW_ELEMENTS = 1024  # float32: a 4 KiB block file
+
+
+def make_tier(
+    root_dir: str,
+    rows,
+    group_tokens=(),
+    events=False,
+    windows=(),
+    kv_values_source=None,
+    **config,
+):
+    """An fs tier over rows (a page-aligned tensor), with a spec of KV cache
+    groups of group_tokens tokens a chunk (none: no group known), full
+    attention, or sliding-window ones of windows[g] chunks where that is
+    not None, and what the model's K/V values depend on (none: not known)."""
+    spec = _make_offloading_spec(enable_kv_cache_events=events)
+    spec.config = dataclasses.replace(
+        spec.config,
+        model=dataclasses.replace(spec.config.model, kv_values_source=kv_values_source),
+        groups=tuple(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens,
+                layer_names=(f"l{g}",),
+                group_id=g,
+                sliding_window_size_in_chunks=windows[g] if windows else None,
+            )
+            for g, tokens in enumerate(group_tokens)
+        ),
+    )
+    return FileSystemTierManager(
+        offloading_spec=spec,
+        primary_kv_view=memoryview(rows.numpy()),
+        tier_type="fs",
+        root_dir=root_dir,
+        n_read_threads=2,
+        n_write_threads=2,
+        enable_kv_events=events,
+        **config,
+    )
+
+
+def block_key(n: int) -> OffloadKey:
+    return make_offload_key(f"budget-{n}".encode().ljust(32, b"\0"), 0)
+
+
+def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
+    """Store each key in its own job (row i % rows holds key i's bytes)."""
+    results = []
+    for i, k in enumerate(keys):
+        rows[i % len(rows)] = float(first_job + i)
+        tier.submit_store(make_job(first_job + i, [k], [i % len(rows)]))
+        results.extend(drain(tier))
+    return results
+
+
+def applied(budget):
+    """The budget once the events the scheduler thread posted so far are
+    applied (the next store job's task or the budget thread would)."""
+    with budget._lock:
+        budget._drain()
+    return budget
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def prompt_ctx(req_id: str, keys: list[OffloadKey]) -> ReqContext:
+    """A request's context with its keys' positions, as the connector
+    records them (16 tokens a chunk)."""
+    ctx = ReqContext(req_id)
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (i + 1))
+    return ctx
+
+
+def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
+    """A budget of two files, both stored; one has a load in flight (held
+    in its read) and the other was reported present by lookup() in this
+    step: a store of a new key evicts neither (it fails, and the budget's
+    rejection warning says why), the load reads the stored bytes, and once
+    the step ends and the load is done a store evicts."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    release = threading.Event()
+    batch_load_block = fs_manager.batch_load_block
+
+    def slow_load(*args, **kwargs):
+        assert release.wait(30)
+        return batch_load_block(*args, **kwargs)
+
+    monkeypatch.setattr(fs_manager, "batch_load_block", slow_load)
+    try:
+        a, b, c, d = (block_key(i) for i in range(1, 5))
+        assert all(r.success for r in store_keys(tier, [a, b], 40, rows))
+        tier.submit_load(make_job(10, [a], [5], is_promotion=True))
+        # reported present: its promotion follows at the end of the step
+        assert lookup_and_wait(tier, [b]) == [LookupResult.HIT]
+        tier.submit_store(make_job(20, [c], [2]))
+        deadline = time.monotonic() + 30
+        results: list = []
+        while not results and time.monotonic() < deadline:
+            results = list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        ((result),) = results
+        assert result.job_id == 20 and not result.success  # no room
+        assert tier._budget.rejected_files == 1
+        assert not os.path.exists(tier.file_mapper.get_file_name(c))
+        release.set()
+        (loaded,) = drain(tier)
+        assert loaded.success
+        assert (rows[5] == 40.0).all()  # a's bytes (its job's number)
+        assert os.path.exists(tier.file_mapper.get_file_name(b))
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # the step ends
+        # nothing in flight any more: the least recent is evicted for d
+        (result,) = store_keys(tier, [d], 30, rows)
+        assert result.success
+        assert os.path.exists(tier.file_mapper.get_file_name(d))
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
+    """A store evicts a chunk and an I/O thread removes its file later: in
+    between, lookup() answers the evicted key as a miss (a promotion of it
+    would load a file being removed), and a store of that key is not
+    written (the pending removal would delete the new file)."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=page)  # one file
+    budget = tier._budget
+    release = threading.Event()
+    try:
+        assert budget.scan_done.wait(30)
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1], 0, rows)
+        path1 = tier.file_mapper.get_file_name(k1)
+        real_remove = budget.remove_evicted
+
+        def held_remove(evicted):
+            release.wait(30)
+            real_remove(evicted)
+
+        budget.remove_evicted = held_remove
+        tier.submit_store(make_job(1, [k2], [1]))
+        # its task's admission evicts k1, whose file stays on disk until the
+        # removal runs
+        wait_until(lambda: budget.is_removing(k1))
+        assert os.path.exists(path1)
+        assert tier.lookup(k1, _CTX) is LookupResult.MISS
+        tier.submit_store(make_job(2, [k1], [2]))
+        release.set()
+        assert all(r.success for r in drain(tier))
+        assert not os.path.exists(path1)
+        assert lookup_and_wait(tier, [k1, k2]) == [
+            LookupResult.MISS,
+            LookupResult.HIT,
+        ]
+        assert disk_bytes(str(tmp_path)) <= page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "key_file"])
+def test_an_evicted_key_looked_up_before_is_a_miss(tmp_path, keyed):
+    """A key lookup() found (the verdict is cached for its request) and
+    then evicted: its next lookup is a miss, not a promotion of a file that
+    is gone. Also with a key_file, whose file names do not give the block
+    hash back."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
+    # one file
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=page, **config)
+    try:
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1], 0, rows)
+        assert lookup_and_wait(tier, [k1]) == [LookupResult.HIT]
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # no promotion
+        (result,) = store_keys(tier, [k2], 1, rows)  # evicts k1
+        assert result.success
+        assert not os.path.exists(tier.file_mapper.get_file_name(k1))
+        assert tier.lookup(k1, _CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_a_load_that_fails_leaving_its_file_keeps_it_counted(tmp_path, monkeypatch):
+    """A load that fails with its file still there (EMFILE, EIO, an
+    unreadable MAC): the file stays counted in the budget and evictable,
+    so that the next stores keep the tier's files within max_bytes."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path / "kv")
+    tier = make_tier(root, rows, max_bytes=2 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+        a, b, c, d = (block_key(i) for i in range(1, 5))
+        assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+        real_load = fs_manager.batch_load_block
+
+        def emfile(*args, **kwargs):
+            e = OSError(errno.EMFILE, "Too many open files")
+            e.failed_indices = [0]  # type: ignore[attr-defined]
+            raise e
+
+        monkeypatch.setattr(fs_manager, "batch_load_block", emfile)
+        tier.submit_load(make_job(9, [a], [5], is_promotion=True))
+        (result,) = drain(tier)
+        assert not result.success
+        monkeypatch.setattr(fs_manager, "batch_load_block", real_load)
+        assert os.path.exists(tier.file_mapper.get_file_name(a))
+        assert tier._budget.used == 2 * page
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert all(r.success for r in store_keys(tier, [c, d], 20, rows))
+        assert disk_bytes(root) <= 2 * page
+        assert not os.path.exists(tier.file_mapper.get_file_name(a))
+    finally:
+        tier.shutdown()
+
+
+def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vllm):
+    """An evicted file whose removal fails for another reason than being
+    gone (here a directory at its path; a read-only mount alike) is
+    counted and reported in the tier's rate-limited failure report: it
+    takes disk space beyond max_bytes."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=page)  # one file
+    try:
+        assert tier._budget.scan_done.wait(30)
+        k1, k2 = block_key(1), block_key(2)
+        assert all(r.success for r in store_keys(tier, [k1], 0, rows))
+        path = tier.file_mapper.get_file_name(k1)
+        os.remove(path)
+        os.makedirs(os.path.join(path, "x"))
+        with caplog_vllm.at_level(logging.ERROR):
+            (result,) = store_keys(tier, [k2], 1, rows)  # evicts k1
+        assert result.success
+        errors = [r.getMessage() for r in caplog_vllm.records if r.levelname == "ERROR"]
+        assert any(
+            "1 evicted block file(s) could not be removed" in m for m in errors
+        ), errors
+        assert tier._budget.removal_errors == 1
+    finally:
+        tier.shutdown()
+
+
+def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(
+    tmp_path, caplog_vllm
+):
+    """A store refused for want of room (every file pinned) is the budget
+    working, not the disk failing: it fails its job and is reported on the
+    budget's own warning (at once, then at most one line per interval, with
+    the counts and max_bytes), never on the tier's I/O failure line; a
+    write that fails on the disk is still reported there."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    a, b = block_key(1), block_key(2)
+    try:
+        with caplog_vllm.at_level(logging.WARNING):
+            assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+            # reported present: pinned until the step ends
+            assert lookup_and_wait(tier, [a, b]) == [LookupResult.HIT] * 2
+            tier.submit_store(make_job(10, [block_key(3)], [2]))
+            tier.submit_store(make_job(20, [block_key(4)], [3]))
+            assert [r.success for r in drain(tier)] == [False, False]
+            assert tier._budget.rejected_files == 2
+            tier.on_schedule_end(ScheduleEndContext((), ()))  # pins released
+            # a write that fails on the disk: a non-empty directory in the way
+            path = tier.file_mapper.get_file_name(block_key(5))
+            os.makedirs(os.path.join(path, "x"))
+            (failed,) = store_keys(tier, [block_key(5)], 30, rows)
+            assert not failed.success
+            tier.shutdown()
+        records = caplog_vllm.records
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+        rejections = [m for m in warnings if "not written" in m]
+        # the first at once; the second, within the interval, at shutdown
+        assert len(rejections) == 2, rejections
+        assert "1 block file(s) of 1 store job(s)" in rejections[0]
+        assert f"max_bytes={2 * page}" in rejections[0]
+        assert "(2 and 2 since start)" in rejections[1]
+        # the I/O failure line counts the failed write only
+        assert len(errors) == 1, errors
+        assert "1 store job(s) and 0 load job(s) failed" in errors[0]
+        assert "no room in max_bytes" not in errors[0]
+    finally:
+        tier.shutdown()
+
+
+def test_the_written_keys_of_a_partly_refused_store_are_reported_stored(tmp_path):
+    """A store job the budget refuses part of fails, but the keys it wrote
+    are on disk and counted: with KV events they are published as stored
+    (so that their eviction later, published as removed, follows a store
+    a router saw), the refused ones are not."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path), rows, group_tokens=(16,), events=True, max_bytes=2 * page
+    )
+    a, c, d = block_key(1), block_key(3), block_key(4)
+    try:
+        assert all(r.success for r in store_keys(tier, [a], 0, rows))
+        assert lookup_and_wait(tier, [a]) == [LookupResult.HIT]  # pinned
+        # one file of room: c (its prompt's first chunk) is written, d not
+        ctx = prompt_ctx("req", [c, d])
+        tier.submit_store(TransferJob(10, [c, d], np.arange(1, 3), False, ctx))
+        (result,) = drain(tier)
+        assert not result.success
+        assert tier._budget.rejected_files == 1
+        assert os.path.exists(tier.file_mapper.get_file_name(c))
+        assert not os.path.exists(tier.file_mapper.get_file_name(d))
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert events == [([a], False), ([c], False)]
+        # c is counted and evictable: its eviction is published after it
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        store_keys(tier, [block_key(5), block_key(6)], 20, rows)
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert ([c], True) in events
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        tier.shutdown()
+
+
+def test_a_hit_makes_a_file_the_most_recently_used(tmp_path):
+    """Recency comes from the tier's own lookups, not from touch() (which
+    vLLM 0.34.0 removed): a file lookup() found is the most recently used
+    once its step ends, so a store evicts the file stored after it and not
+    looked up since."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    a, b, c = block_key(1), block_key(2), block_key(3)
+    try:
+        assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+        assert lookup_and_wait(tier, [a]) == [LookupResult.HIT]
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # no promotion
+        (result,) = store_keys(tier, [c], 10, rows)  # evicts one file
+        assert result.success
+        on_disk = [
+            os.path.exists(tier.file_mapper.get_file_name(k)) for k in (a, b, c)
+        ]
+        assert on_disk == [True, False, True]
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_marks_present_only_the_keys_it_wrote(tmp_path):
+    """A finished store turns its keys' cached lookup misses into hits
+    (mark_present). With a budget a store may write fewer keys than it
+    carries: one refused for room (the job fails, its written keys are
+    stored), or one past a gap (its predecessor is on no disk; the job
+    succeeds). Only the written keys become hits: the others stay misses,
+    not promotions of files that are not there."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=2 * page)
+    a, c, d, e = block_key(1), block_key(3), block_key(4), block_key(5)
+    ctx = prompt_ctx("req", [c, d, e])
+    try:
+        # the request's lookups found nothing yet: cached misses
+        assert lookup_and_wait(tier, [c, d, e], ctx) == [LookupResult.MISS] * 3
+        assert all(r.success for r in store_keys(tier, [a], 0, rows))
+        assert lookup_and_wait(tier, [a]) == [LookupResult.HIT]  # pinned
+        # one file of room: c is written, d refused
+        tier.submit_store(TransferJob(10, [c, d], np.arange(1, 3), False, ctx))
+        (result,) = drain(tier)
+        assert not result.success
+        assert tier.lookup(c, ctx) is LookupResult.HIT
+        assert tier.lookup(d, ctx) is LookupResult.MISS
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        # e follows d, which is on no disk: not written, the job succeeds
+        tier.submit_store(TransferJob(11, [e], np.arange(3, 4), False, ctx))
+        (result,) = drain(tier)
+        assert result.success
+        assert not os.path.exists(tier.file_mapper.get_file_name(e))
+        assert tier.lookup(e, ctx) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_no_filesystem_call_on_the_scheduler_thread_after_the_scan(
+    tmp_path, monkeypatch
+):
+    """A store whose predecessor is not indexed, once the start-up scan is
+    done: the predecessor is on no disk (not written: it could never hit),
+    found without a filesystem call on the scheduler thread. A predecessor
+    lookup() found (another engine's file) is on disk: written."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path / "kv")
+    tier = make_tier(root, rows, group_tokens=(16,), max_bytes=8 * page)
+    other = make_tier(root, rows, group_tokens=(16,))  # another engine
+    scheduler = threading.current_thread()
+    calls: list[str] = []
+
+    def on_scheduler_thread(name, real):
+        def check(*args, **kwargs):
+            if threading.current_thread() is scheduler:
+                calls.append(f"{name}{args}")
+            return real(*args, **kwargs)
+
+        return check
+
+    try:
+        assert tier._budget.scan_done.wait(30)
+        keys = [block_key(i) for i in range(4)]
+        ctx = prompt_ctx("req", keys)
+        store_keys(other, [keys[2]], 0, rows)
+        assert lookup_and_wait(tier, [keys[2]]) == [LookupResult.HIT]
+        for name in ("exists", "lexists"):
+            monkeypatch.setattr(
+                os.path, name, on_scheduler_thread(name, getattr(os.path, name))
+            )
+        for name in ("stat", "lstat"):
+            monkeypatch.setattr(os, name, on_scheduler_thread(name, getattr(os, name)))
+        # keys[0] was never stored: keys[1] could never hit
+        tier.submit_store(TransferJob(1, [keys[1]], np.arange(1), False, ctx))
+        # keys[2] (another engine's) was found by lookup(): keys[3] can hit
+        ctx = prompt_ctx(_CTX.req_id, keys)
+        tier.submit_store(TransferJob(2, [keys[3]], np.arange(1), False, ctx))
+        assert calls == []
+        monkeypatch.undo()
+        assert all(r.success for r in drain(tier))
+        assert tier._budget.unreachable_files == 1
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[1]))
+        assert os.path.exists(tier.file_mapper.get_file_name(keys[3]))
+    finally:
+        tier.shutdown()
+        other.shutdown()
+
+
+def test_eviction_is_published_as_removed_kv_events(tmp_path):
+    """With KV events, an evicted block is published as removed (a router
+    must not send requests for it here), after its store was published."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, events=True, max_bytes=page)
+    try:
+        k1, k2 = block_key(1), block_key(2)
+        store_keys(tier, [k1, k2], 0, rows)
+        events = [(list(e.keys), e.removed) for e in tier.take_events()]
+        assert events == [([k1], False), ([k1], True), ([k2], False)]
+    finally:
+        tier.shutdown()
+
+
+def test_the_journal_is_private_whatever_the_umask(tmp_path):
+    """The budget's journal names the chunks on disk: created 0600 in a
+    0700 rank directory, like the tier's block files, under umask 0."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    old_umask = os.umask(0)
+    try:
+        tier = make_tier(
+            str(tmp_path / "fs"), rows, group_tokens=(16,), max_bytes=4 * page
+        )
+        budget = tier._budget
+        try:
+            keys = [block_key(i) for i in range(2)]
+            tier.submit_store(
+                TransferJob(0, keys, np.arange(2), False, prompt_ctx("req", keys))
+            )
+            drain(tier)
+            assert budget._parent[keys[1][:-4]] == keys[0][:-4]
+        finally:
+            tier.shutdown()  # writes the journal
+    finally:
+        os.umask(old_umask)
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    assert os.path.getsize(journal) > 0
+    assert os.stat(journal).st_mode & 0o777 == 0o600
+    assert os.stat(budget._rank_dir).st_mode & 0o777 == 0o700
+
+
+def test_a_chunk_a_coarser_group_stored_first_gets_its_parent(tmp_path):
+    """Groups of 32 and 16 tokens a chunk share the block hash at every
+    32 tokens: that chunk is first stored by the coarse group (its first
+    chunk: a root) and then by the fine group, whose predecessor is the
+    16-token chunk before it. It is linked then, so that eviction takes
+    it (the tail) before that predecessor (the head)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(32, 16), max_bytes=8 * page)
+    budget = tier._budget
+    try:
+        head, tail = b"h" * 32, b"t" * 32
+        coarse = make_offload_key(tail, 0)  # tokens 0-32
+        fine = [make_offload_key(head, 1), make_offload_key(tail, 1)]
+        ctx = ReqContext("req")
+        ctx.set_offload_key_position(coarse, 32)
+        ctx.set_offload_key_position(fine[0], 16)
+        ctx.set_offload_key_position(fine[1], 32)
+        tier.submit_store(TransferJob(0, [coarse, fine[0]], np.arange(2), False, ctx))
+        drain(tier)
+        assert tail not in budget._parent  # nothing before it in its group
+        tier.submit_store(TransferJob(1, [fine[1]], np.arange(1), False, ctx))
+        drain(tier)
+        assert budget._parent[tail] == head
+        assert list(budget._leaves) == [tail]
+    finally:
+        tier.shutdown()
+
+
+def test_a_sliding_window_file_is_written_only_with_its_covering_chunk(tmp_path):
+    """A full-attention group and a sliding-window group, 16 tokens a chunk:
+    a store job of sliding-window keys alone (the connector stores them
+    apart when the CPU tier holds the chunk's other files) writes no file
+    past the request's last full-attention file on disk: such a file could
+    never hit. Once its full-attention chunk is on disk, it is written."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path),
+        rows,
+        group_tokens=(16, 16),
+        windows=(None, 1),
+        max_bytes=16 * page,
+    )
+    budget = tier._budget
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(4)]
+        full = [make_offload_key(h, 0) for h in hashes]
+        window = [make_offload_key(h, 1) for h in hashes]
+        ctx = ReqContext("req")
+        for i in range(4):
+            ctx.set_offload_key_position(full[i], 16 * (i + 1))
+            ctx.set_offload_key_position(window[i], 16 * (i + 1))
+        keys = full[:2] + window[:2]
+        tier.submit_store(TransferJob(0, keys, np.arange(4), False, ctx))
+        drain(tier)
+        # chunks 2 and 3: their full-attention files were not stored (their
+        # store failed, or was refused)
+        tier.submit_store(TransferJob(1, window[2:], np.arange(2), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        assert {stem(k) for k in keys} <= on_disk
+        assert not {stem(k) for k in window[2:]} & on_disk
+        assert budget.unreachable_files == 2
+        # chunk 2's full-attention file is stored: its sliding-window file
+        # can hit now
+        tier.submit_store(TransferJob(2, [full[2]], np.arange(1), False, ctx))
+        drain(tier)
+        tier.submit_store(TransferJob(3, [window[2]], np.arange(1), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        assert {stem(full[2]), stem(window[2])} <= on_disk
+        assert stem(window[3]) not in on_disk
+    finally:
+        tier.shutdown()
+
+
+def test_a_chunk_left_with_sliding_window_files_alone_goes_with_its_child(
+    tmp_path,
+):
+    """Full attention of 32 tokens a chunk, sliding window of 16: the
+    sliding-window file at 48 tokens hits only with the full-attention
+    chunk at 64 (its child, with that chunk's sliding-window file). When
+    the child is evicted, it is evicted with it, in the same eviction, not
+    kept unreachable until a later one; the prefix before it stays."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path),
+        rows,
+        group_tokens=(32, 16),
+        windows=(None, 1),
+        max_bytes=6 * page,
+    )
+    try:
+        hashes = [bytes([i + 1]) * 32 for i in range(4)]  # at 16, 32, 48, 64
+        full = [make_offload_key(hashes[1], 0), make_offload_key(hashes[3], 0)]
+        window = [make_offload_key(h, 1) for h in hashes]
+        ctx = ReqContext("req")
+        for i, k in enumerate(full):
+            ctx.set_offload_key_position(k, 32 * (i + 1))
+        for i, k in enumerate(window):
+            ctx.set_offload_key_position(k, 16 * (i + 1))
+        keys = full + window
+        tier.submit_store(TransferJob(0, keys, np.arange(6), False, ctx))
+        drain(tier)
+        assert {stem(k) for k in keys} == block_files(str(tmp_path))
+        # another prompt's first chunk: room for its 2 files
+        other = [make_offload_key(b"o" * 32, g) for g in range(2)]
+        ctx = ReqContext("other")
+        for k in other:
+            ctx.set_offload_key_position(k, 32)
+        tier.submit_store(TransferJob(1, other, np.arange(2), False, ctx))
+        drain(tier)
+        on_disk = block_files(str(tmp_path))
+        gone = {stem(full[1]), stem(window[3]), stem(window[2])}
+        assert not gone & on_disk
+        assert {stem(full[0]), stem(window[0]), stem(window[1])} <= on_disk
+        assert {stem(k) for k in other} <= on_disk
+    finally:
+        tier.shutdown()
+
+
+def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
+    """Two engines' tiers on one root (the same model and layout: the same
+    directory), each with a budget of three files, store the same key and
+    then five of their own: each stays within its budget, the root within
+    the sum, and a file the other engine removed is a miss for a tier that
+    indexed it (no error, no wrong bytes)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path)
+    first = make_tier(root, rows, max_bytes=3 * page)
+    second = make_tier(root, rows, max_bytes=3 * page)
+    try:
+        shared = block_key(0)
+        store_keys(first, [shared], 0, rows)
+        store_keys(second, [shared], 0, rows)
+        store_keys(first, [block_key(100 + i) for i in range(5)], 10, rows)
+        store_keys(second, [block_key(200 + i) for i in range(5)], 10, rows)
+        assert first._budget.used <= 3 * page
+        assert second._budget.used <= 3 * page
+        assert disk_bytes(root) <= 6 * page
+        assert lookup_and_wait(first, [shared]) == [LookupResult.MISS]
+        # a load of a key another engine removed under it: a miss, not bytes
+        k = block_key(104)
+        assert lookup_and_wait(first, [k]) == [LookupResult.HIT]
+        os.remove(first.file_mapper.get_file_name(k))
+        first.submit_load(make_job(50, [k], [6], is_promotion=True))
+        (result,) = drain(first)
+        assert not result.success and not result.successful_keys
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+@pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
+def test_bad_max_bytes_is_refused_before_any_thread_starts(tmp_path, max_bytes):
+    """max_bytes <= 0, not an integer, or smaller than one chunk of every
+    group: a ValueError naming the setting and the smallest valid value,
+    before the tier starts a thread."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    before = threading.active_count()
+    with pytest.raises(
+        ValueError, match=r"max_bytes of the 'fs' tier must be .*>= 4096"
+    ):
+        make_tier(str(tmp_path), rows, max_bytes=max_bytes)
+    assert threading.active_count() == before
+
+
+def test_budget_above_free_space_warns_once(tmp_path, caplog_vllm):
+    """A budget larger than the filesystem's free space: one warning at
+    start with both numbers."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    huge = 1 << 62
+    with caplog_vllm.at_level(logging.WARNING):
+        tier = make_tier(str(tmp_path), rows, max_bytes=huge)
+        tier.shutdown()
+    warnings = [
+        r.getMessage() for r in caplog_vllm.records if "free space" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and str(huge) in warnings[0], warnings
+
+
+def test_other_layouts_in_the_root_are_named_at_start(tmp_path, caplog_vllm):
+    """This model's other layouts in the root (an earlier version's, another
+    tier setting's) are never read, removed or counted by max_bytes: one line
+    at start names them (five, then a count), a warning with a budget. Other
+    models' layouts (likely live) get an info line. The tier's own
+    directories (its config's, every rank's), links and files are not named."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    block_bytes = _ROW_ELEMENTS * 4
+    root = str(tmp_path)
+    first = make_tier(root, rows)
+    first.shutdown()
+    own = os.path.basename(first.file_mapper.base_path)
+    model = own[:-13]  # FileMapper's <model>_<12 hex digits>
+    os.makedirs(os.path.join(root, f"{own}_r1"))  # another rank of this layout
+    olds = [f"{model}_{i:012x}" for i in range(1, 7)]
+    for old in olds:
+        os.makedirs(os.path.join(root, old))
+    old_block = os.path.join(root, f"{olds[0]}_r0", "abc", "de_g0", "abcde.bin")
+    os.makedirs(os.path.dirname(old_block))
+    with open(old_block, "wb") as f:
+        f.write(bytes(block_bytes))
+    os.makedirs(os.path.join(root, "other_model_0123456789ab_r0"))
+    not_layouts = [f"{model}_{7:012x}", f"{model}_{8:012x}", "notes_0123456789ab.d"]
+    os.symlink(os.path.join(root, olds[0]), os.path.join(root, not_layouts[0]))
+    open(os.path.join(root, not_layouts[1]), "w").close()
+    os.makedirs(os.path.join(root, not_layouts[2]))
+    for max_bytes, level in ((4 * block_bytes, logging.WARNING), (None, logging.INFO)):
+        caplog_vllm.clear()
+        with caplog_vllm.at_level(logging.INFO):
+            make_tier(root, rows, max_bytes=max_bytes).shutdown()
+        lines = [
+            (r.getMessage(), r.levelno)
+            for r in caplog_vllm.records
+            if "are in the root" in r.getMessage()
+        ]
+        assert len(lines) == 2, lines
+        (same, same_level), (other, other_level) = lines
+        assert "6 other layout(s) of this model" in same and same_level == level
+        assert all(repr(old) in same for old in olds[:5]), same
+        assert repr(olds[5]) not in same and "and 1 more" in same, same
+        assert "1 other model(s)'" in other and other_level == logging.INFO
+        assert "'other_model_0123456789ab'" in other, other
+        for name in (own, *not_layouts):
+            assert name not in same + other, name
+        assert ("max_bytes" in same) == (max_bytes is not None), same
+    assert os.path.exists(old_block)
+
+
+def test_other_layouts_are_named_least_recently_used_first(
+    tmp_path, caplog_vllm, monkeypatch
+):
+    """A running tier marks its layout in use (its directory's mtime) at
+    start and every LAYOUT_MARK_INTERVAL_S until shutdown, and the start-up
+    line names the other layouts least recently used first, each with how
+    long ago: an operator tells a layout nobody runs from another engine's."""
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05)
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    root = str(tmp_path)
+    first = make_tier(root, rows)
+    layout_dir = first.file_mapper.base_path
+    old = int(time.time()) - 10 * 86400
+    try:
+        for _ in range(2):  # marked again and again, not only at start
+            os.utime(layout_dir, (old, old))
+            deadline = time.monotonic() + 10
+            while os.stat(layout_dir).st_mtime == old:
+                assert time.monotonic() < deadline, "the layout was not marked again"
+                time.sleep(0.01)
+    finally:
+        first.shutdown()
+    assert not first._marker.is_alive()
+    model = os.path.basename(layout_dir)[:-13]  # FileMapper's <model>_<digest>
+    now = int(time.time())
+    expected = []
+    for i, (age_s, age) in enumerate(
+        ((40 * 86400, "40 days"), (3 * 3600, "3 h"), (5 * 60, "5 min")), 1
+    ):
+        other = os.path.join(root, f"{model}_{i:012x}")
+        os.makedirs(other)
+        os.utime(other, (now - age_s, now - age_s))
+        expected.append(f"'{model}_{i:012x}' (last used {age} ago;")
+    os.utime(layout_dir, (old, old))
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
+    with caplog_vllm.at_level(logging.INFO):
+        make_tier(root, rows).shutdown()
+    (line,) = [
+        r.getMessage()
+        for r in caplog_vllm.records
+        if "other layout(s) of this model" in r.getMessage()
+    ]
+    positions = [line.find(name) for name in expected]
+    assert -1 not in positions and positions == sorted(positions), line
+    assert "mark theirs every 60 min" in line, line
+    assert os.stat(layout_dir).st_mtime > old + 86400  # marked at start
+
+
+def test_other_layouts_say_what_differs(tmp_path, caplog_vllm):
+    """A model changed at its path (new weights, another config) starts a new
+    layout; the start-up line names this model's old layouts with what
+    differs in their config.json, so that an operator sees why they are
+    unused and can remove them."""
+    rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
+    root = str(tmp_path)
+    source = values_source(
+        model="test-model", hf_config="1" * 32, dtype="float16", max_model_len=1024
+    )
+    first = make_tier(root, rows, kv_values_source=source)
+    first.shutdown()
+    fields = first.file_mapper.fields
+    values = fields["kv_values"]
+    model = os.path.basename(first.file_mapper.base_path)[:-13]
+    weights = {"source": "local", "digest": "0" * 32}
+    old_fields = {
+        "weights changed": {**fields, "kv_values": {**values, "weights": weights}},
+        "model config changed": {
+            **fields,
+            "kv_values": {**values, "hf_config": "0" * 32},
+        },
+        "written before the model's values were recorded": {
+            k: v for k, v in fields.items() if k != "kv_values"
+        },
+        "no readable config.json": None,
+    }
+    names = {}
+    for i, (change, old) in enumerate(old_fields.items(), 1):
+        names[change] = f"{model}_{i:012x}"
+        os.makedirs(os.path.join(root, names[change]))
+        if old is not None:
+            with open(os.path.join(root, names[change], "config.json"), "w") as f:
+                json.dump(old, f)
+    with caplog_vllm.at_level(logging.INFO):
+        make_tier(root, rows, kv_values_source=source).shutdown()
+    (line,) = [
+        r.getMessage()
+        for r in caplog_vllm.records
+        if "other layout(s) of this model" in r.getMessage()
+    ]
+    for change, name in names.items():
+        assert f"'{name}' (last used 0 min ago; {change})" in line, line
+
+
+def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
+    tmp_path, caplog_vllm, monkeypatch
+):
+    """A layout mark that keeps failing (a read-only root, another owner) is a
+    warning at the first failure and then once every
+    _MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
+    once it works again: never silent, and not a line per interval for ever."""
+    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.01)
+    real_utime = os.utime
+    state = {"fail": False, "failures": 0}
+
+    def utime(*args, **kwargs):
+        if state["fail"]:
+            state["failures"] += 1
+            raise PermissionError(13, "Permission denied")
+        return real_utime(*args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", utime)
+
+    def messages(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog_vllm.records if text in r.getMessage()]
+
+    with caplog_vllm.at_level(logging.INFO):
+        tier = make_tier(str(tmp_path), _page_aligned_zero_tensor(2, _ROW_ELEMENTS))
+        try:
+            state["fail"] = True
+            deadline = time.monotonic() + 10
+            while state["failures"] < 30:
+                assert time.monotonic() < deadline, state
+                time.sleep(0.01)
+            state["fail"] = False
+            while not messages("again after"):
+                assert time.monotonic() < deadline + 10, "no line on recovery"
+                time.sleep(0.01)
+        finally:
+            tier.shutdown()
+    failures = state["failures"]
+    every = fs_manager._MARK_FAILURES_REPORTED_EVERY
+    warnings = messages("could not mark its layout in use")
+    assert len(warnings) == -(-failures // every) >= 2, (failures, warnings)
+    assert "(1 time(s) in a row; " in warnings[0], warnings
+    assert f"({every + 1} time(s) in a row; " in warnings[1], warnings
+    assert "Permission denied" in warnings[0], warnings
+    (recovered,) = messages("again after")
+    assert f"again after {failures} failure(s)" in recovered, recovered
+
+
+def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
+    """The keys kept for finding parents are bounded (MAX_TRACKED_KEYS, the
+    least recently seen requests dropped first) and dropped when a request
+    finishes, and the journal of parents is compacted to the chunks still
+    indexed: 50 requests of 4 chained chunks over a budget of 4 files."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 64)
+    monkeypatch.setattr(budget_module, "SCAN_BATCH", 8)
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=4 * page)
+    budget = tier._budget
+    try:
+        for r in range(50):
+            keys = [block_key(1000 * r + i) for i in range(4)]
+            ctx = prompt_ctx(f"req{r}", keys)
+            # two store jobs: the second's first key links to the first's
+            for j in (0, 2):
+                tier.submit_store(
+                    TransferJob(
+                        2 * r + j // 2, keys[j : j + 2], np.arange(2), False, ctx
+                    )
+                )
+                drain(tier)
+            assert budget._order_keys <= 64
+            assert sum(len(o) for o in budget._orders.values()) <= 64
+            if r % 2:
+                tier.on_request_finished(ctx)
+                assert ctx.req_id not in applied(budget)._orders
+        # the last request's chunks are kept, linked head to tail
+        last = [block_key(49000 + i) for i in range(4)]
+        assert lookup_and_wait(tier, last) == [LookupResult.HIT] * 4
+        assert budget._parent[last[3][:-4]] == last[2][:-4]
+        assert budget._parent[last[2][:-4]] == last[1][:-4]
+    finally:
+        tier.shutdown()
+    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
+    record = 2 + 2 * 32
+    # 150 links written, compacted to those of the 4 indexed chunks
+    assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)
+
+
+def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
+    """The keys lookup() reported present (with a key_file, what turns an
+    evicted chunk's cached hits into misses) are bounded (MAX_TRACKED_KEYS,
+    the least recently seen requests dropped first) and dropped when a
+    request finishes, also when several requests found the same key."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 8)
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(
+        str(tmp_path / "kv"),
+        rows,
+        max_bytes=64 * page,
+        key_file=key_file(tmp_path / "key"),
+    )
+    budget = tier._budget
+    try:
+        keys = [block_key(i) for i in range(20)]
+        assert all(r.success for r in store_keys(tier, keys, 0, rows))
+        contexts = [ReqContext(f"req{r}") for r in range(8)]
+        for r, ctx in enumerate(contexts):
+            # overlapping requests: keys 2r .. 2r+3
+            found = lookup_and_wait(tier, keys[2 * r : 2 * r + 4], ctx)
+            assert found == [LookupResult.HIT] * 4
+            assert 0 < applied(budget)._present_keys <= 8
+            assert sum(len(p) for p in budget._present.values()) == (
+                budget._present_keys
+            )
+            assert sum(sum(n.values()) for n in budget._present_by_chunk.values()) == (
+                budget._present_keys
+            )
+            if r % 2:
+                tier.on_request_finished(ctx)
+                assert ctx.req_id not in applied(budget)._present
+        for ctx in contexts:
+            tier.on_request_finished(ctx)
+        assert applied(budget)._present_keys == 0
+        assert not budget._present and not budget._present_by_chunk
+    finally:
+        tier.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# Off the scheduler thread
+# ---------------------------------------------------------------------------
+
+_BUDGET_THREAD = "vllm_kv_py_fs_budget"
+
+
+def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
+    """The budget's work (admission, eviction, pins, the orphan check) runs
+    off the scheduler thread: with the budget's lock held by another
+    thread, lookup(), submit_store(), submit_load(), on_schedule_end(),
+    get_finished_jobs() and on_request_finished() return at once; once the
+    lock is free, the jobs finish and the budget holds."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=2 * page)
+    budget = tier._budget
+    try:
+        assert budget.scan_done.wait(30)
+        keys = [block_key(i) for i in range(4)]
+        store_keys(tier, keys[:2], 40, rows)
+        assert lookup_and_wait(tier, [keys[0]]) == [LookupResult.HIT]
+        locked, release = threading.Event(), threading.Event()
+
+        def hold_lock():
+            with budget._lock:
+                locked.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        assert locked.wait(30)
+        results: list = []
+
+        def scheduler_calls():
+            assert tier.lookup(keys[0], _CTX) is LookupResult.HIT
+            # keys[2]'s predecessor (key 9) is indexed nowhere: an orphan
+            ctx = prompt_ctx("req", [block_key(9), keys[2], keys[3]])
+            tier.submit_store(TransferJob(5, keys[2:], np.arange(2, 4), False, ctx))
+            tier.submit_load(make_job(6, [keys[0]], [6], is_promotion=True))
+            tier.on_schedule_end(ScheduleEndContext((), ()))
+            results.extend(tier.get_finished_jobs())
+            tier.on_request_finished(ctx)
+
+        calls = threading.Thread(target=scheduler_calls, name="scheduler")
+        calls.start()
+        calls.join(10)
+        blocked = calls.is_alive()
+        release.set()
+        holder.join(30)
+        calls.join(30)
+        assert not blocked, "a scheduler-side call waited on the budget's lock"
+        results.extend(drain(tier))
+        assert sorted(r.job_id for r in results) == [5, 6]
+        assert all(r.success for r in results)
+        # keys[2] is not worth writing (its predecessor is on no disk), and
+        # so is keys[3] after it; the load of keys[0] read its bytes
+        assert budget.unreachable_files == 2
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[2]))
+        assert not os.path.exists(tier.file_mapper.get_file_name(keys[3]))
+        assert (rows[6] == 40.0).all()
+        assert disk_bytes(str(tmp_path)) <= 2 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypatch):
+    """Past HIGH_WATER percent of max_bytes the budget thread evicts down to
+    LOW_WATER percent, never below, and removes those files itself: stores
+    at a full budget then find room, and their tasks remove no file."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=40 * page)
+    budget = tier._budget
+    low = 40 * page * getattr(budget_module, "LOW_WATER", 90) // 100
+    high = 40 * page * getattr(budget_module, "HIGH_WATER", 95) // 100
+    removers: list[str] = []
+    remove = os.remove
+
+    def recording_remove(path, *args, **kwargs):
+        if path.endswith(".bin"):
+            removers.append(threading.current_thread().name)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", recording_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        for n in range(100):
+            (result,) = store_keys(tier, [block_key(n)], n, rows)
+            assert result.success
+            if n == 0:  # a cached verdict, and no promotion in its step
+                assert lookup_and_wait(tier, [block_key(0)]) == [LookupResult.HIT]
+                tier.on_schedule_end(ScheduleEndContext((), ()))
+            # at rest: under the high-water mark, its files all removed
+            wait_until(
+                lambda: budget.used <= high and not getattr(budget, "unlinking", 0),
+                timeout=10,
+            )
+            assert budget.used <= 40 * page
+            if n >= 40:
+                assert budget.used >= low  # never below the low-water mark
+        assert disk_bytes(str(tmp_path)) <= high
+        assert budget.evicted_files >= 100 - 40
+        assert removers and set(removers) == {_BUDGET_THREAD}, removers
+        # the evicted keys reached the scheduler thread: the cached verdict
+        # of key 0, evicted ahead, is a miss
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert tier.lookup(block_key(0), _CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeypatch):
+    """The budget thread's file removal hangs (a stuck filesystem): stores
+    that need the room take over the removals it has not started, write,
+    and the files stay within max_bytes."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path), rows, max_bytes=20 * page)
+    budget = tier._budget
+    stuck, release = threading.Event(), threading.Event()
+    remove = os.remove
+
+    def hanging_remove(path, *args, **kwargs):
+        if threading.current_thread().name == _BUDGET_THREAD:
+            stuck.set()
+            release.wait(60)
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", hanging_remove)
+    try:
+        assert budget.scan_done.wait(30)
+        store_keys(tier, [block_key(n) for n in range(20)], 0, rows)
+        assert stuck.wait(30)  # evicting ahead, stuck in its first removal
+        new = [block_key(100 + n) for n in range(10)]
+        results = store_keys(tier, new, 20, rows)
+        assert all(r.success for r in results)
+        assert lookup_and_wait(tier, new) == [LookupResult.HIT] * 10
+        assert disk_bytes(str(tmp_path)) <= 20 * page
+    finally:
+        release.set()
+        tier.shutdown()
+
+
+def test_a_file_the_budget_thread_cannot_remove_is_reported(tmp_path, caplog_vllm):
+    """An evicted-ahead file whose removal fails (here a directory at its
+    path) is counted and reported in the tier's rate-limited failure
+    report, as a store's removal is."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=20 * page)
+    budget = tier._budget
+    try:
+        assert budget.scan_done.wait(30)
+        keys = [block_key(n) for n in range(20)]
+        assert all(r.success for r in store_keys(tier, keys[:19], 0, rows))
+        path = tier.file_mapper.get_file_name(keys[0])  # the least recent
+        os.remove(path)
+        os.makedirs(os.path.join(path, "x"))
+        with caplog_vllm.at_level(logging.ERROR):
+            # past the high-water mark: the budget thread evicts ahead
+            assert all(r.success for r in store_keys(tier, keys[19:], 19, rows))
+            # the budget thread counts the failure, then reports it: wait for
+            # the report itself
+            wait_until(
+                lambda: any(
+                    "1 evicted block file(s) could not be removed" in r.getMessage()
+                    for r in caplog_vllm.records
+                    if r.levelname == "ERROR"
+                ),
+                timeout=10,
+            )
+        assert budget.removal_errors == 1
+        assert os.path.isdir(path)
+    finally:
+        tier.shutdown()
