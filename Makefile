@@ -64,7 +64,7 @@ lint: ## vLLM's ruff (its pyproject.toml) on every Python file the series touche
 	@$(S)/lint.py
 	@$(MAKE) --no-print-directory precommit
 
-e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.34.0: its CI subset on the mixed engine, ~25 min)
+e2e: ## the upstream test plan (vllm serve + lm_eval) on tiny HMA models, CPU matrix (~65 min; VLLM_VERSION=0.34.0: its CI subset on the mixed engine, ~12 min)
 	$(CPU_ENGINE_TRACK)
 	$(ENGINE_ENV)
 	@$(E2E_PY) e2e/run_plan.py $(or $(E2E_ARGS),$(if $(ENGINE),--ci))

@@ -832,9 +832,7 @@ def test_a_hit_makes_a_file_the_most_recently_used(tmp_path):
         tier.on_schedule_end(ScheduleEndContext((), ()))  # no promotion
         (result,) = store_keys(tier, [c], 10, rows)  # evicts one file
         assert result.success
-        on_disk = [
-            os.path.exists(tier.file_mapper.get_file_name(k)) for k in (a, b, c)
-        ]
+        on_disk = [os.path.exists(tier.file_mapper.get_file_name(k)) for k in (a, b, c)]
         assert on_disk == [True, False, True]
     finally:
         tier.shutdown()

@@ -87,9 +87,11 @@ class _FailureReport:
             else ""
         )
         line = (
-            "%s: %d store job(s) and %d load job(s) failed since the previous "
-            "report (the blocks of failed stores are not stored, those that "
-            "failed to load are recomputed)%s%s; last error: %s",
+            (
+                "%s: %d store job(s) and %d load job(s) failed since the previous "
+                "report (the blocks of failed stores are not stored, those that "
+                "failed to load are recomputed)%s%s; last error: %s"
+            ),
             self._label,
             self._failed["store"],
             self._failed["load"],
