@@ -711,6 +711,29 @@ def test_a_load_that_fails_leaving_its_file_keeps_it_counted(tmp_path, monkeypat
         tier.shutdown()
 
 
+def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypatch):
+    """Whatever a store raises (an OSError, or another exception from a
+    bug), the budget counts only the files that are there: jobs that wrote
+    nothing leave it at 0 bytes."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=4 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the store path")
+
+        monkeypatch.setattr(fs_manager, "batch_store_block", broken)
+        results = store_keys(tier, [block_key(1), block_key(2)], 0, rows)
+        assert [r.success for r in results] == [False, False]
+        assert applied(tier._budget).used == 0
+    finally:
+        tier.shutdown()
+
+
 def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vllm):
     """An evicted file whose removal fails for another reason than being
     gone (here a directory at its path; a read-only mount alike) is

@@ -1100,8 +1100,10 @@ def test_start_up_removes_only_stale_temp_files(tmp_path):
     tier.shutdown()
     assert all(os.path.exists(p) for p in stale + recent + other)
 
-    with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
-        _fs_tier_on(tmp_path, cleanup_stale_tmp_after_seconds=-1)
+    # JSON gives strings and booleans too: refused, never compared or taken as 1 s
+    for bad in (-1, "3600", True):
+        with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
+            _fs_tier_on(tmp_path, cleanup_stale_tmp_after_seconds=bad)
 
 
 def test_failing_tier_reports_rate_limited_with_counts(

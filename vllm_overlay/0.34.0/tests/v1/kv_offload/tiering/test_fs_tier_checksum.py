@@ -205,7 +205,7 @@ def test_blocks_stored_without_checksums_are_misses_then_stored_anew(tmp_path, i
 def test_without_checksum_blocks_no_xattr_call_is_made(tmp_path, monkeypatch, io_path):
     """Off (the default): stores set no attribute, and loads read none (the
     Python path: no xattr call at all; both paths: a file whose CRC32C does
-    not match its bytes still loads). As on v0.33.0, a block whose bytes
+    not match its bytes still loads). As on v0.34.0, a block whose bytes
     changed at the same size is then loaded as KV."""
     calls: list[str] = []
 
@@ -229,7 +229,10 @@ def test_without_checksum_blocks_no_xattr_call_is_made(tmp_path, monkeypatch, io
         path = tier.file_mapper.get_file_name(key(1))
         monkeypatch.undo()  # os's own functions for the checks below
         monkeypatch.setattr(io_mod, "_HAS_FSIO_C", io_path)
-        assert calls == []
+        # fs_io_C makes its xattr calls in C, where os.* cannot count them:
+        # there the attribute list and the load below are what is checked
+        if not io_path:
+            assert calls == []
         assert os.listxattr(path) == []
         os.setxattr(path, CRC_XATTR, b"\x00\x00\x00\x00")
         with open(path, "r+b") as f:
@@ -239,7 +242,8 @@ def test_without_checksum_blocks_no_xattr_call_is_made(tmp_path, monkeypatch, io
         tier.submit_load(job(2, [key(1)], [1], load=True))
         assert finish(tier) == [True]
         assert kv[1][0] == 0x0A and (kv[1][1:] == 9).all()
-        assert calls == []
+        if not io_path:
+            assert calls == []
     finally:
         tier.shutdown()
     assert CHECKSUM_FAILURES not in FileSystemTierManager.build_metric_definitions({})

@@ -338,13 +338,16 @@ class FileSystemTierManager(SecondaryTierManager):
             key_file, the MAC checks the bytes already: no CRC32C.
 
         """
-        if cleanup_stale_tmp_after_seconds is not None and (
-            cleanup_stale_tmp_after_seconds < 0
+        stale_s = cleanup_stale_tmp_after_seconds
+        if stale_s is not None and (
+            isinstance(stale_s, bool)
+            or not isinstance(stale_s, (int, float))
+            or stale_s < 0
         ):
             raise ValueError(
                 "cleanup_stale_tmp_after_seconds of the "
-                f"'{tier_type}' tier must be >= 0 or null (no cleanup), got "
-                f"{cleanup_stale_tmp_after_seconds}"
+                f"'{tier_type}' tier must be a number of seconds >= 0 or null "
+                f"(no cleanup), got {stale_s!r}"
             )
         if not isinstance(group_access, bool):
             raise ValueError(
@@ -888,8 +891,9 @@ class FileSystemTierManager(SecondaryTierManager):
                     keys,
                     self._checksum,
                 )
-        except OSError:
-            # the budget forgets the files that are not there
+        except Exception:
+            # the budget forgets the files that are not there, whatever
+            # the store raised (not only OSError)
             self._budget_failed[job_id] = [
                 k for k, p in zip(keys, paths) if not is_block_path(p)
             ]
