@@ -392,6 +392,23 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
     assert "Fix: run the engine as that user, or use a root_dir owned by" in message
 
 
+def test_the_o_direct_probe_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """The O_DIRECT probe creates its temp file exclusively and never
+    follows a link: a symlink planted at its name (the root may be
+    group-writable) leaves the file it points to as it was. Before: the
+    probe opened it with O_TRUNC and truncated the target."""
+    if not io_mod.O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setattr(io_mod, "_get_tmp_suffix", lambda: "_7.tmp")
+    os.symlink(victim, root / ".o_direct_probe_7.tmp")
+    io_mod.probe_o_direct(str(root))  # O_DIRECT or not: either answer
+    assert victim.read_bytes() == b"precious"
+
+
 def test_a_symlink_at_a_block_path_is_a_miss(tmp_path, io_path):
     """A symbolic link planted at a block's path (to a file of the right
     size) is a miss: lookup says so, a load fails without reading through

@@ -373,7 +373,9 @@ def probe_o_direct(directory: str) -> bool:
     path = os.path.join(directory, f".o_direct_probe{_get_tmp_suffix()}")
     page = mmap.mmap(-1, mmap.PAGESIZE)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | O_DIRECT, 0o600)
+        # exclusive and never through a link: the root may be group-writable
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW | O_DIRECT
+        fd = os.open(path, flags, 0o600)
         try:
             os.write(fd, page)
         finally:
