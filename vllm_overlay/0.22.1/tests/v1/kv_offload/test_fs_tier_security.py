@@ -348,6 +348,26 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
     assert "Fix: run the engine as that user, or use a root_dir owned by" in message
 
 
+def test_the_o_direct_probe_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """The O_DIRECT probe creates its temp file exclusively and never
+    follows a link: a symlink planted at its name (the root may be
+    group-writable) leaves the file it points to as it was. Before: the
+    probe wrote a block of zeros through it."""
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    if not fs_io.O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setattr(fs_io, "_get_tmp_suffix", lambda: "_7.tmp")
+    os.symlink(victim, root / ".direct_io_probe_7.tmp")
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, as the probe needs
+    fs_io.probe_direct_io(str(root), memoryview(page), mmap.PAGESIZE)
+    assert victim.read_bytes() == b"precious"
+
+
 @pytest.fixture(params=["openat2", "open, then /proc/self/fd"])
 def link_check(request, monkeypatch):
     """Both ways the tier refuses a symbolic link in a block's path: openat2

@@ -687,9 +687,14 @@ def probe_direct_io(
     try:
         # Created without O_DIRECT first: a directory that cannot be written
         # is a configuration error, not a reason for buffered I/O.
-        os.close(os.open(probe_path, os.O_CREAT | os.O_WRONLY, modes.file))
+        # Exclusive, and never through a link: the root may be group-writable.
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW
         try:
-            fd = os.open(probe_path, os.O_RDWR | O_DIRECT)
+            os.close(os.open(probe_path, flags, modes.file))
+        except FileExistsError as e:  # something planted at a temp name
+            return f"the O_DIRECT probe could not create its file ({e})", False
+        try:
+            fd = os.open(probe_path, os.O_RDWR | O_NOFOLLOW | O_DIRECT)
             try:
                 os.write(fd, probe_buf)
                 os.preadv(fd, [probe_buf], 0)
