@@ -1585,6 +1585,8 @@ def test_start_up_removes_only_stale_temp_files(tmp_path):
     assert all(os.path.exists(p) for p in stale + recent + other)
 
     threads = set(threading.enumerate())
-    with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
-        _make_tier(str(tmp_path), rows, cleanup_stale_tmp_after_seconds=-1)
+    # JSON gives strings and booleans too: refused, never compared or taken as 1 s
+    for bad in (-1, "3600", True):
+        with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
+            _make_tier(str(tmp_path), rows, cleanup_stale_tmp_after_seconds=bad)
     assert set(threading.enumerate()) <= threads, "raised after starting threads"

@@ -539,6 +539,28 @@ def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
     return results
 
 
+def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypatch):
+    """Whatever a store raises (an OSError, or another exception from a
+    bug), the budget counts only the files that are there: jobs that wrote
+    nothing leave it at 0 bytes."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=4 * page)
+    try:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the store path")
+
+        monkeypatch.setattr(fs_manager, "store_block", broken)
+        results = store_keys(tier, [key(1), key(2)], 0, rows)
+        assert [r.success for r in results] == [False, False]
+        wait_until(lambda: tier._budget.used == 0, timeout_s=5)
+    finally:
+        tier.shutdown()
+
+
 def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
     """A budget of two files, both stored; one has a load in flight (held
     in its read) and the other was reported present by lookup() in this

@@ -347,12 +347,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 (at least one chunk of every KV cache group); None: no limit.
                 Engines sharing root_dir each keep their own budget.
         """
-        if cleanup_stale_tmp_after_seconds is not None and (
-            cleanup_stale_tmp_after_seconds < 0
+        stale_s = cleanup_stale_tmp_after_seconds
+        if stale_s is not None and (
+            isinstance(stale_s, bool)
+            or not isinstance(stale_s, (int, float))
+            or stale_s < 0
         ):
             raise ValueError(
                 f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
-                f"be >= 0 or null (no cleanup), got {cleanup_stale_tmp_after_seconds}"
+                f"be a number of seconds >= 0 or null (no cleanup), got {stale_s!r}"
             )
         if not isinstance(group_access, bool):
             raise ValueError(
