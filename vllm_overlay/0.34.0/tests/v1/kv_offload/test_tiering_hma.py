@@ -1055,6 +1055,8 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
     file is left once the tier's jobs finished, no block file lies without
     its config.json; a request left alone settles within a few steps."""
     hypothesis = pytest.importorskip("hypothesis")
+    import shutil
+
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st
     from hypothesis.stateful import (
