@@ -53,34 +53,30 @@ SITE_EDITS = [
     ]),
 ]
 
-# 0.34.0's compiled ops the site adds, each a library built from the tag's csrc/cpu sources
-# with their schemas from csrc/cpu/torch_bindings.cpp: (library, namespace, sources, ops).
-ADDED_OPS = [
-    # the standalone runner's ops, new since 0.32.0 (input preparation, block tables,
-    # sampling): added to 0.32.0's _C namespace
-    ("_C_runner_ops", "_C", ["input_batch.cpp", "block_table.cpp", "sampling_kernels.cpp"],
-     ["apply_logit_bias_cpu", "combine_sampled_and_draft_tokens_cpu",
-      "compute_slot_mapping_cpu", "gather_block_table_cpu",
-      "get_prompt_logprobs_token_ids_cpu", "gumbel_sample_cpu", "post_update_cpu",
-      "prepare_mrope_positions_cpu", "prepare_pos_seq_lens_cpu",
-      "prepare_prefill_inputs_cpu"]),
-]
+# The standalone runner's ops that 0.32.0's _C lacks (input preparation, block tables,
+# sampling), and the 0.34.0 csrc/cpu sources that define them: built into _C_runner_ops.so
+# with their schemas from csrc/cpu/torch_bindings.cpp, as a fragment of 0.32.0's _C.
+RUNNER_OPS_SOURCES = ["input_batch.cpp", "block_table.cpp", "sampling_kernels.cpp"]
+RUNNER_OPS = ["apply_logit_bias_cpu", "combine_sampled_and_draft_tokens_cpu",
+              "compute_slot_mapping_cpu", "gather_block_table_cpu",
+              "get_prompt_logprobs_token_ids_cpu", "gumbel_sample_cpu", "post_update_cpu",
+              "prepare_mrope_positions_cpu", "prepare_pos_seq_lens_cpu",
+              "prepare_prefill_inputs_cpu"]
 
 
-def ops_library(checkout: Path, name: str, namespace: str, sources: list[str],
-                ops: list[str]) -> bytes:
-    """One ADDED_OPS library: its sources and registrations in one translation unit,
-    compiled against the engine's torch, cached under build/native/ by its inputs."""
+def runner_ops_library(checkout: Path) -> bytes:
+    """_C_runner_ops.so: RUNNER_OPS_SOURCES and the RUNNER_OPS registrations in one
+    translation unit, compiled against the engine's torch, cached under build/native/."""
+    name, sources, ops = "_C_runner_ops", RUNNER_OPS_SOURCES, RUNNER_OPS
     cpu = checkout / "csrc/cpu"
     bindings = (cpu / "torch_bindings.cpp").read_text()
     stmts = [m for m in re.finditer(r'ops\.(?:def|impl)\(\s*"(\w+).*?\);', bindings, re.S)
              if m.group(1) in ops]
     if {m.group(1) for m in stmts} != set(ops):
-        raise UserError(f"{cpu}/torch_bindings.cpp does not register all ops of {name}; "
-                        "update ADDED_OPS in scripts/mixed_site.py to this vLLM")
-    macro = "TORCH_LIBRARY_FRAGMENT" if namespace == "_C" else "TORCH_LIBRARY"  # _C: 0.32.0's
+        raise UserError(f"{cpu}/torch_bindings.cpp does not register all of RUNNER_OPS; "
+                        "update RUNNER_OPS in scripts/mixed_site.py to this vLLM")
     unit = "".join(f'#include "{src}"\n' for src in sources)
-    unit += f"{macro}({namespace}, ops) {{\n" + "\n".join(m.group(0) for m in stmts) + "\n}\n"
+    unit += "TORCH_LIBRARY_FRAGMENT(_C, ops) {\n" + "\n".join(m.group(0) for m in stmts) + "\n}\n"
     digest = hashlib.sha256(unit.encode() + b"".join(
         f.read_bytes() for f in sorted(cpu.rglob("*")) if f.is_file())).hexdigest()[:16]
     cached = BUILD / "native" / f"{digest}-{name}.so"
@@ -109,7 +105,7 @@ def ops_library(checkout: Path, name: str, namespace: str, sources: list[str],
 
 def edit_site(site: Path) -> None:
     """SITE_EDITS, each exactly once (the files are hard links: replaced, never written
-    through), and the ADDED_OPS libraries beside them."""
+    through), and _C_runner_ops.so beside them."""
     for rel, edits in SITE_EDITS:
         path = site / rel
         text = path.read_text()
@@ -120,9 +116,7 @@ def edit_site(site: Path) -> None:
             text = text.replace(old, new)
         path.unlink()
         path.write_text(text)
-    for name, namespace, sources, ops in ADDED_OPS:
-        (site / f"vllm/{name}.so").write_bytes(
-            ops_library(checkout_dir(UPSTREAM), name, namespace, sources, ops))
+    (site / "vllm/_C_runner_ops.so").write_bytes(runner_ops_library(checkout_dir(UPSTREAM)))
 
 
 def build(pristine: bool) -> str:
