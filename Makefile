@@ -54,8 +54,9 @@ test-unpatched: ## the regression tests against pristine vLLM: shows them failin
 test-soak: ## hypothesis soak of random tiering sequences (HMA_SOAK_EXAMPLES, default 5000; CI runs 30, derandomized)
 	@HMA_SOAK_EXAMPLES=$${HMA_SOAK_EXAMPLES:-5000} $(S)/run_tests.py tests/v1/kv_offload/test_tiering_hma.py::test_random_sequences_keep_the_invariants -- -s
 
-check: ## patches/<v>/ and vllm_overlay/<v>/ agree, and the track's venv holds the patched files
+check: ## patches/<v>/ and vllm_overlay/<v>/ agree, the track's venv holds the patched files, shared files are one
 	@$(S)/check_sync.py
+	@$(S)/check_shared.py
 
 patches: ## export the checkout's commits to patches/<v>/ and regenerate vllm_overlay/<v>/
 	@$(S)/export_patches.py

@@ -38,6 +38,28 @@ def test_drift_between_overlay_and_patches_fails(tmp_path, monkeypatch):
     assert f"vllm/extra.py: in {overlay}/, not in patches/{V}/" in str(e.value)
 
 
+def test_the_files_both_tracks_share_are_identical():
+    r = run_script(ROOT, "check_shared.py")
+    assert r.returncode == 0, r.stderr
+    assert "identical on both tracks; fs tier:" in r.stdout
+
+
+def test_a_shared_file_changed_on_one_track_only_fails(tmp_path, monkeypatch):
+    import shutil
+
+    import check_shared
+
+    for version in (V, _lib.series_versions()[-1]):
+        shutil.copytree(ROOT / "vllm_overlay" / version, tmp_path / version)
+    shared = tmp_path / V / check_shared.SHARED[0]
+    shared.write_text(shared.read_text() + "\n# a fix made on one track only\n")
+    monkeypatch.setattr(check_shared, "overlay_dir", lambda version: tmp_path / version)
+    with pytest.raises(_lib.UserError) as e:
+        check_shared.main()
+    assert f"{check_shared.SHARED[0]}: differs between" in str(e.value)
+    assert "make the same change on both series" in str(e.value)
+
+
 # Every series folder of patches/ (the default track's and the upstream track's).
 SERIES = sorted(d.name for d in (ROOT / "patches").iterdir() if any(d.glob("*.patch")))
 SUBJECT_MAX, BODY_MAX, WIDTH = 72, 15, 72  # vLLM's commit messages: a subject line, a short body

@@ -815,6 +815,21 @@ def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
     assert "Fix: use a root_dir on a filesystem with user xattrs" in message
 
 
+def test_a_key_file_gives_the_same_names_and_macs_on_every_release():
+    """Known answers, the same on the fork's 0.22.1 track: one key file means
+    one set of file names and MACs, whichever vLLM release derived them."""
+    from vllm.v1.kv_offload.tiering.fs.io import BlockMac
+    from vllm.v1.kv_offload.tiering.fs.security import TierKey
+
+    tier_key = TierKey(bytes(range(32)))
+    assert tier_key.file_stem(bytes(32)) == "e4d569d57304debf230f35bafbee06a9"
+    block_mac = BlockMac(tier_key.mac_key, "layout")
+    mac = block_mac.compute(b"key", memoryview(b"block"))
+    assert mac.hex() == (
+        "525a1f857175d8eedf984df344c8000b391f2e7372c7c39e844614e5640b4a62"
+    )
+
+
 def test_the_key_is_never_logged_or_written(tmp_path, caplog_vllm):
     """Neither the key nor the keys derived from it appear in the logs (of a
     start, a store, a load, a failed load and a shutdown), in config.json,

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""
-Start-up checks of what the fs_python tier trusts: its root directory and
-its key.
+"""Start-up checks of what the fs tier trusts: its root directory and its
+key.
 
 The tier's files are users' KV blocks, served to every request that shares
 their prefix. Whoever can write into the root (or rename one of its
@@ -152,7 +151,7 @@ _KEY_FIX = (
 
 def _hkdf_sha256(secret: bytes, info: bytes) -> bytes:
     """HKDF-SHA256 (RFC 5869) with a fixed salt: one 32-byte output."""
-    prk = hmac.digest(b"vllm fs_python tier key v1", secret, "sha256")
+    prk = hmac.digest(b"vllm fs tier key v1", secret, "sha256")
     return hmac.digest(prk, info + b"\x01", "sha256")
 
 
