@@ -1434,6 +1434,38 @@ def test_tier_recreates_its_config_when_its_root_is_removed(tmp_path, caplog):
     assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
+def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):
+    """config.json written as the disk fills up (here a file size limit cuts
+    the write after 16 bytes): no truncated config.json is left to describe
+    the directory for good; the next store writes it whole."""
+    import resource
+    import signal
+
+    root = tmp_path / "root"
+    tier = _make_tier(str(root), _aligned_rows(4))
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        with open(config_path, "rb") as f:
+            config = f.read()
+        os.remove(config_path)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
+        try:
+            with pytest.raises(OSError):
+                tier._write_config()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, sigxfsz)
+        assert not os.path.exists(config_path), "a partial config.json was left"
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        with open(config_path, "rb") as f:
+            assert f.read() == config
+    finally:
+        tier.shutdown()
+
+
 class _JobSync:
     """Lets a test wait until the fs tier's submitted jobs have finished,
     so each simulated engine step sees the results of the previous one."""

@@ -1231,10 +1231,10 @@ def test_tier_recreates_its_config_when_its_root_is_removed(
 def test_config_re_creation_failures_are_reported_rate_limited(
     tmp_path, monkeypatch, caplog_vllm
 ):
-    """The root is removed and config.json cannot be re-created (here a
-    dangling symlink stands in its place): the stores go on, and the tier
-    says so with counts, at most once per interval, for as long as it lasts
-    (not once, and not once per job)."""
+    """The root is removed and config.json cannot be re-created (here its
+    write fails with ENOSPC): the stores go on, and the tier says so with
+    counts, at most once per interval, for as long as it lasts (not once,
+    and not once per job)."""
     import shutil
 
     import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
@@ -1253,8 +1253,11 @@ def test_config_re_creation_failures_are_reported_rate_limited(
     try:
         config_path = tier.file_mapper.get_config_file_path()
         shutil.rmtree(root)
-        os.makedirs(os.path.dirname(config_path))
-        os.symlink(tmp_path / "gone" / "config.json", config_path)
+
+        def full_disk(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(fs_manager, "write_file_atomically", full_disk)
         for job_id in range(1, 4):
             tier.submit_store(make_job(job_id, [key(job_id)], [0]))
             assert [r.success for r in drain(tier)] == [True]
@@ -1266,6 +1269,39 @@ def test_config_re_creation_failures_are_reported_rate_limited(
         assert [r.success for r in drain(tier)] == [True]
         assert len(warnings()) == 2
         assert "3 failed attempt(s)" in warnings()[1]
+    finally:
+        tier.shutdown()
+
+
+def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):
+    """config.json written as the disk fills up (here a file size limit cuts
+    the write after 16 bytes): no truncated config.json is left to describe
+    the directory for good; the next store writes it whole."""
+    import resource
+    import signal
+
+    root = tmp_path / "root"
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tier = _make_small_tier(root, tensor)
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        with open(config_path, "rb") as f:
+            config = f.read()
+        os.remove(config_path)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
+        try:
+            with pytest.raises(OSError):
+                tier._write_config()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, sigxfsz)
+        assert not os.path.exists(config_path), "a partial config.json was left"
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        with open(config_path, "rb") as f:
+            assert f.read() == config
     finally:
         tier.shutdown()
 

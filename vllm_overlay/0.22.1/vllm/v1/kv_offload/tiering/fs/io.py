@@ -344,7 +344,8 @@ def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
 
 def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
     """Write *data* to *path* through a temp file renamed into place, with
-    modes.file; several engines may write the same file at once."""
+    modes.file: a reader (another engine sharing the root) never sees part
+    of it, and a write cut short (a full disk, a crash) leaves no *path*."""
     tmp_path = path + _get_tmp_suffix()
     try:
         fd = os.open(
@@ -354,7 +355,9 @@ def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
         )
         try:
             os.fchmod(fd, modes.file)
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # a write may be short (a file size limit, NFS)
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.replace(tmp_path, path)

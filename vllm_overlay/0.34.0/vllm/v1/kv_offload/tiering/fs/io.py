@@ -43,10 +43,11 @@ _thread_local = threading.local()
 
 # The tier's temp files, see _get_tmp_suffix(): a block's
 # (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
-# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp) and the budget journal's
-# compaction (budget.journal_<n>.tmp).
+# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp), config.json's and the
+# budget journal's compaction (budget.journal_<n>.tmp).
 _TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^budget\.journal)_[0-9]+\.tmp$"
+    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^config\.json|^budget\.journal)"
+    r"_[0-9]+\.tmp$"
 )
 
 
@@ -263,17 +264,20 @@ def probe_xattr(directory: str) -> None:
 
 def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
     """Write *data* to *path* through a temp file renamed into place, with
-    modes.file; several engines may write the same file at once."""
+    modes.file: a reader (another engine sharing the root) never sees part
+    of it, and a write cut short (a full disk, a crash) leaves no *path*."""
     tmp_path = path + _get_tmp_suffix()
     try:
         fd = os.open(
             tmp_path,
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW,
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0),
             modes.file,
         )
         try:
             os.fchmod(fd, modes.file)
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # a write may be short (a file size limit, NFS)
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         os.replace(tmp_path, path)

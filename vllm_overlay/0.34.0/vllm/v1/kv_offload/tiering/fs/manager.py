@@ -132,6 +132,7 @@ from vllm.v1.kv_offload.tiering.fs.io import (
     probe_o_direct,
     probe_xattr,
     scan_tier_files,
+    write_file_atomically,
 )
 from vllm.v1.kv_offload.tiering.fs.security import (
     TierKey,
@@ -671,20 +672,14 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of the directory's block files)
-        unless it exists. Returns whether it was written."""
+        unless it exists; atomically, as several engines may share the
+        directory. Returns whether it was written."""
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
             return False
         make_dirs(os.path.dirname(config_path), self._modes)
         config = json.dumps(self.file_mapper.get_run_config(), indent=2, sort_keys=True)
-        fd = os.open(
-            config_path,
-            os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-            self._modes.file,
-        )
-        with open(fd, "w") as f:
-            os.fchmod(fd, self._modes.file)  # exact, whatever the umask
-            f.write(config)
+        write_file_atomically(config_path, config.encode(), self._modes)
         return True
 
     def _mark_layout_in_use(self, root_dir: str) -> None:
