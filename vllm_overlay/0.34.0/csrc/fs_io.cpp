@@ -363,6 +363,16 @@ struct FileXattr {
   ino_t ino = 0;
 };
 
+// Removes `path` if it still names the file `read` describes: another engine
+// sharing the root may have stored the block anew since it was read.
+inline void unlink_if_same_file(const char* path, const struct stat& read) {
+  struct stat now;
+  if (lstat(path, &now) == 0 && now.st_dev == read.st_dev &&
+      now.st_ino == read.st_ino) {
+    unlink(path);
+  }
+}
+
 inline int _load_block(const char* source_path, char* dst, size_t size,
                        bool use_o_direct, const char* xattr_name,
                        FileXattr* xattr, bool checksum, bool* checksum_failed) {
@@ -386,7 +396,7 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   }
   if (static_cast<size_t>(st.st_size) != size) {
     close(fd);
-    unlink(source_path);
+    unlink_if_same_file(source_path, st);
     return EIO;
   }
 
@@ -400,7 +410,7 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   if (static_cast<size_t>(bytes_read) < size) {
     // Provable short read: the block is genuinely corrupt, so remove it.
     close(fd);
-    unlink(source_path);
+    unlink_if_same_file(source_path, st);
     return EIO;
   }
 
@@ -431,11 +441,7 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     crc32c_bytes(dst, size, computed);
     if (len != static_cast<ssize_t>(kCrcSize) ||
         memcmp(stored, computed, kCrcSize) != 0) {
-      struct stat now;
-      if (lstat(source_path, &now) == 0 && now.st_dev == st.st_dev &&
-          now.st_ino == st.st_ino) {
-        unlink(source_path);
-      }
+      unlink_if_same_file(source_path, st);
       close(fd);
       *checksum_failed = true;
       return EBADMSG;

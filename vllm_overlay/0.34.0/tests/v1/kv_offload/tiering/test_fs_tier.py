@@ -1181,6 +1181,50 @@ def _make_small_tier(root_dir, tensor: torch.Tensor, **config):
     )
 
 
+def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
+    """Another engine sharing the root stores a block anew (renames a whole
+    file into place) between a load's look at the damaged file it replaces
+    and that load's removal of it: the new file is left alone. (Python path:
+    the C path makes the same check, and no test can step into it.)"""
+    import shutil
+    import stat
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tensor[0] = 5
+    tier = _make_small_tier(tmp_path / "root", tensor)
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        with open(path, "rb") as f:
+            good = f.read()
+        stored_anew = path + ".another-engine"
+        shutil.copy2(path, stored_anew)
+        os.remove(path)
+        with open(path, "wb") as f:
+            f.write(good[: len(good) // 2])  # a damaged file: half a block
+        real_fstat = os.fstat
+
+        def fstat_then_store_anew(fd):
+            st = real_fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size == len(good) // 2:
+                os.rename(stored_anew, path)
+            return st
+
+        monkeypatch.setattr(os, "fstat", fstat_then_store_anew)
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [False]
+        monkeypatch.setattr(os, "fstat", real_fstat)
+        assert os.path.isfile(path), "the block stored anew was removed"
+        with open(path, "rb") as f:
+            assert f.read() == good
+    finally:
+        tier.shutdown()
+
+
 @pytest.mark.parametrize("use_c_ext", [True, False])
 def test_tier_recreates_its_config_when_its_root_is_removed(
     tmp_path, monkeypatch, caplog_vllm, use_c_ext

@@ -943,6 +943,14 @@ def _replace(
     os.replace(tmp_path, dest_path)
 
 
+def _remove_if_same_file(path: str, read: os.stat_result) -> None:
+    """Remove *path* if it still names the file *read* describes: another
+    engine sharing the root may have stored the block anew since."""
+    st = os.lstat(path)
+    if (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino):
+        os.remove(path)
+
+
 def load_block(
     source_path: str,
     view: memoryview,
@@ -989,6 +997,7 @@ def load_block(
     # in Python: the common case where fs_io_C is not in use, else a block
     # it did not load (the load below says why, and removes the file)
     fd: int | None = None
+    st: os.stat_result | None = None
     flat = view.cast("B")
     if runs is None:
         view_slice = flat[offset : offset + block_size]
@@ -1029,8 +1038,12 @@ def load_block(
     except LinkInTreeError:
         raise  # the file is not the tier's: not removed
     except Exception as exc:
+        if st is None:
+            raise  # not opened (gone, or a transient error): not removed
         try:
-            os.remove(source_path)
+            _remove_if_same_file(source_path, st)
+        except FileNotFoundError:
+            pass
         except OSError as cleanup_exc:
             # Reported with the load's error (rate-limited by the thread
             # pool), not logged here: the tier answers the key as a miss

@@ -240,6 +240,8 @@ def _check_crc(path: str, fd: int, data: memoryview, st: os.stat_result) -> None
 
 
 def _remove_if_same_file(path: str, read: FileMac | os.stat_result) -> None:
+    """Remove *path* if it still names the file *read* describes: another
+    engine sharing the root may have stored the block anew since."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -565,7 +567,7 @@ def _load_block(
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EIO, "Not a regular file", source_path)
         if st.st_size != block_size:
-            _remove_corrupt_file(source_path)
+            _remove_if_same_file(source_path, st)
             raise OSError(
                 errno.EIO,
                 f"Block file has {st.st_size} bytes, expected {block_size}",
@@ -573,7 +575,7 @@ def _load_block(
             )
         bytes_read = os.readv(fd, [view_slice])
         if bytes_read < block_size:
-            _remove_corrupt_file(source_path)
+            _remove_if_same_file(source_path, st)
             raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
         if checksum:
             _check_crc(source_path, fd, view_slice, st)
