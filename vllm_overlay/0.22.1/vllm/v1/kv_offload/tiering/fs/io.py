@@ -1038,8 +1038,12 @@ def load_block(
     except LinkInTreeError:
         raise  # the file is not the tier's: not removed
     except Exception as exc:
-        if st is None:
-            raise  # not opened (gone, or a transient error): not removed
+        if st is None:  # not opened: only a link at the block's path goes
+            with contextlib.suppress(OSError):
+                link = os.lstat(source_path)
+                st = link if stat.S_ISLNK(link.st_mode) else None
+            if st is None:
+                raise  # gone, or a transient error: left alone
         try:
             _remove_if_same_file(source_path, st)
         except FileNotFoundError:
