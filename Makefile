@@ -26,7 +26,7 @@ E2E_PY := $(if $(ENGINE),.venv-$(ENGINE),$(TRACK_VENV))/bin/python
 ENGINE_ENV = $(if $(ENGINE),@VLLM_VERSION=$(ENGINE) TARGET=cpu $(S)/make_env.py)
 
 .DEFAULT_GOAL := help
-.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu bench bench-gpu clean wheel pr precommit test-soak
+.PHONY: help apply env checkout test test-unpatched check patches lint e2e e2e-unpatched e2e-gpu gpu-kit bench bench-gpu clean wheel pr precommit test-soak
 
 help: ## list the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -77,6 +77,9 @@ e2e-unpatched: ## the plan on pristine vLLM: HMA models refused at start-up, con
 
 e2e-gpu: ## the plan with real CUDA handlers (real models when the hub is reachable)
 	@$(TRACK_VENV)/bin/python e2e/run_gpu.py
+
+gpu-kit: ## build/gpu-kit/: CUDA wheel + the deps a torch-only GPU machine lacks + tiny models, in pieces for its calls (docs/testing.md)
+	@$(S)/gpu_kit.py
 
 bench: ## patched vs pristine scheduler cost, fs tier vs raw disk, HMA cost (BENCH_QUICK=1: ~1 min)
 	$(CPU_TRACK_ONLY)
