@@ -2,10 +2,12 @@
 """Fail when a file the two tracks share differs between their overlays.
 
 One implementation per feature: where the fork (vllm_overlay/0.22.1/) and the upstream
-track (the newest series) need the same code, it is the same file, byte for byte; what
-differs between the releases lives in a compat module. SHARED lists the files converged so
-far. The fs tier's other files are reported with the share of their lines that both tracks
-carry, so the figure says how far the rest has to go (docs/series.md, "One fs tier").
+track (the newest series in patches/) need the same code, it is the same file, byte for
+byte; what differs between the releases lives in a compat module. SHARED lists the files
+converged so far. The fs tier's files are reported with the share of their lines both
+tracks carry (a rough figure: blank and closing lines count too), so it says how far the
+rest has to go (docs/series.md, "One fs tier"). The overlays are compared as committed:
+`make check`'s check_sync.py ties each to its series (for the selected track).
 """
 
 import difflib

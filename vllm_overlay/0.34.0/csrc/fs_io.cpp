@@ -395,8 +395,8 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     return EIO;
   }
   if (static_cast<size_t>(st.st_size) != size) {
+    unlink_if_same_file(source_path, st);  // fd open: its inode is not reused
     close(fd);
-    unlink_if_same_file(source_path, st);
     return EIO;
   }
 
@@ -409,8 +409,8 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   }
   if (static_cast<size_t>(bytes_read) < size) {
     // Provable short read: the block is genuinely corrupt, so remove it.
-    close(fd);
     unlink_if_same_file(source_path, st);
+    close(fd);
     return EIO;
   }
 

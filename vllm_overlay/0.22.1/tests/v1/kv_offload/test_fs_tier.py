@@ -1106,10 +1106,11 @@ def test_load_fails_for_a_file_that_is_not_one_block(tmp_path, size_delta):
 
 
 def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
-    """A path whose load fails and that cannot be removed (here an empty
-    directory) is answered as a miss from then on, instead of a hit whose
-    promotion fails every time; the failure names the path once; a store of
-    the key replaces it and makes it a hit again."""
+    """A path whose load fails and that is not removed (here an empty
+    directory: not opened with O_DIRECT, or opened and not removable) is
+    answered as a miss from then on, instead of a hit whose promotion fails
+    every time; the failure names the path once; a store of the key replaces
+    it and makes it a hit again."""
     rows = _aligned_rows(4)
     tier = _make_tier(str(tmp_path), rows)
     try:
@@ -1488,10 +1489,11 @@ def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):
         with open(config_path, "rb") as f:
             config = f.read()
         os.remove(config_path)
+        # process-wide for a moment: the tier's threads are idle meanwhile
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
         try:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
             with pytest.raises(OSError):
                 tier._write_config()
         finally:

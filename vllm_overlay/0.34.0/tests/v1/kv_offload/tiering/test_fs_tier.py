@@ -1332,10 +1332,11 @@ def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):
         with open(config_path, "rb") as f:
             config = f.read()
         os.remove(config_path)
+        # process-wide for a moment: the tier's threads are idle meanwhile
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
         try:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))
             with pytest.raises(OSError):
                 tier._write_config()
         finally:

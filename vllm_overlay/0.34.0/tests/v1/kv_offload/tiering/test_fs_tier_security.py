@@ -816,8 +816,9 @@ def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_key_file_gives_the_same_names_and_macs_on_every_release():
-    """Known answers, the same on the fork's 0.22.1 track: one key file means
-    one set of file names and MACs, whichever vLLM release derived them."""
+    """Known answers: one key file names and MACs blocks the same way on every
+    vLLM release that reads the root; a change to the derivation would orphan
+    every keyed store."""
     from vllm.v1.kv_offload.tiering.fs.io import BlockMac
     from vllm.v1.kv_offload.tiering.fs.security import TierKey
 

@@ -962,7 +962,9 @@ def load_block(
     runs: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """
-    Load callback: read one KV block from disk. Remove the file on failure.
+    Load callback: read one KV block from disk. On failure, remove the file
+    read if its path still names it (another engine may have stored the
+    block anew), or a symbolic link at the path; leave what was not opened.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
     Only a regular file of exactly block_size bytes (plus the checksum's
     trailer, if any) holds a block: anything else (a shorter or longer file,

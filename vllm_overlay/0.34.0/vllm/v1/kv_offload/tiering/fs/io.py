@@ -552,7 +552,8 @@ def _load_block(
     """Read one KV block from disk; remove the file only if it provably holds
     no block (a regular file whose size is not block_size, or a short read:
     stores are atomic and write exactly one block, so that is genuine
-    corruption) and leave it untouched on any other error. A file of the wrong
+    corruption), and only if its path still names the file read; leave it
+    untouched on any other error. A file of the wrong
     size, or one that is not a regular file, is rejected before anything is
     read into the view. With *read_mac*, return the file's MAC attribute,
     read from the same open file; with *checksum*, check the bytes read
