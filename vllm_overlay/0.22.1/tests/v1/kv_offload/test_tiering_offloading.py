@@ -565,3 +565,63 @@ class TestResetCache:
 
 if __name__ == "__main__":
     pytest.main([__file__, "-v"])
+
+
+@pytest.mark.parametrize(
+    ("secondary_tiers", "spanning_group", "rejected"),
+    [
+        ([], "tp", False),
+        ([{"type": "example"}], None, False),
+        ([{"type": "example"}], "tp", True),
+        ([{"type": "example"}], "pp", True),
+        ([{"type": "example"}], "pcp", True),
+    ],
+)
+def test_tiering_spec_rejects_secondary_tiers_across_nodes(
+    monkeypatch, secondary_tiers, spanning_group, rejected
+):
+    """An engine whose workers span nodes: its secondary tiers would read only
+    the engine core's node's CPU region and store the other nodes' slots as
+    zeros. Refused before any CPU memory is mapped (as upstream #54415)."""
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.kv_offload.tiering.spec as tiering_spec_module
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    spec = TieringOffloadingSpec.__new__(TieringOffloadingSpec)
+    spec.secondary_tier_configs = secondary_tiers
+    spec.vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(world_size=4), instance_id="test"
+    )
+    spec.cpu_page_size_per_worker, spec.num_blocks, spec.block_size_factor = 4096, 8, 1
+    groups = {
+        name: MagicMock(world_size=2, cpu_group=name) for name in ("tp", "pp", "pcp")
+    }
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: groups["tp"])
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: groups["pp"])
+    monkeypatch.setattr(parallel_state, "get_pcp_group", lambda: groups["pcp"])
+    queried: list[str] = []
+
+    def same_node_as(group, source_rank):
+        queried.append(group)
+        return [True, group != spanning_group]
+
+    monkeypatch.setattr(parallel_state, "in_the_same_node_as", same_node_as)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    region_ctor = MagicMock()
+    handlers_ctor = MagicMock()
+    monkeypatch.setattr(tiering_spec_module, "SharedOffloadRegion", region_ctor)
+    monkeypatch.setattr(tiering_spec_module, "CpuGpuOffloadingHandlers", handlers_ctor)
+
+    if rejected:
+        with pytest.raises(NotImplementedError, match="span several nodes"):
+            spec.create_handlers(MagicMock())
+        region_ctor.assert_not_called()
+        handlers_ctor.assert_not_called()
+    else:
+        spec.create_handlers(MagicMock())
+        region_ctor.assert_called_once()
+        handlers_ctor.assert_called_once()
+    # every group is queried (each is a collective its other ranks join)
+    assert sorted(queried) == (["pcp", "pp", "tp"] if secondary_tiers else [])

@@ -224,6 +224,8 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     @override
     def create_handlers(self, kv_caches: CanonicalKVCaches) -> CpuGpuOffloadingHandlers:
         world_size = self.vllm_config.parallel_config.world_size
+        if self.secondary_tier_configs and world_size > 1:
+            _reject_workers_across_nodes()
         rank = torch.accelerator.current_device_index()
         worker_mmap = SharedOffloadRegion(
             instance_id=self.vllm_config.instance_id,
@@ -240,4 +242,33 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             block_size_factor=self.block_size_factor,
             num_cpu_blocks=self.num_blocks,
             mmap_region=worker_mmap,
+        )
+
+
+def _reject_workers_across_nodes() -> None:
+    """Reject secondary tiers on an engine whose workers span nodes (as
+    upstream #54415 does). Secondary tiers run in the engine core and read
+    only its node's CPU region, which lacks the slots of workers on other
+    nodes: they would store and serve those slots as zeros. An engine's
+    workers form a grid of TP, PP and PCP groups, so they share one node if
+    every such group does. Collective over each group."""
+    from vllm.distributed.parallel_state import (
+        get_pcp_group,
+        get_pp_group,
+        get_tp_group,
+        in_the_same_node_as,
+    )
+
+    # Every rank must join every collective before any of them raises.
+    spans = [
+        group.world_size > 1
+        and not all(in_the_same_node_as(group.cpu_group, source_rank=0))
+        for group in (get_tp_group(), get_pp_group(), get_pcp_group())
+    ]
+    if any(spans):
+        raise NotImplementedError(
+            "TieringOffloadingSpec secondary tiers are not supported on "
+            "engines whose workers span several nodes: remove secondary_tiers "
+            "from kv_connector_extra_config, or run one engine per node "
+            "(replicas) sharing the tier's root_dir."
         )
