@@ -464,9 +464,14 @@ def test_no_kept_file_is_unreachable_with_sliding_window_groups(
             keys = store_prompt(sched, request_of(engine, f"req{i}", prompts[p]))
             if i < 32:
                 all_keys.append(keys)
-            # not halfway through the budget thread's removals
-            wait_until(lambda: budget.unlinking == 0)
-            files = block_files(root_dir)
+            # not halfway through the budget thread's removals, nor one that
+            # started while the files were listed (a loaded machine)
+            while True:
+                wait_until(lambda: budget.unlinking == 0)
+                evicted = budget.evicted_files
+                files = block_files(root_dir)
+                if budget.unlinking == 0 and budget.evicted_files == evicted:
+                    break
             lost = unreachable_files(all_keys, files, sched)
             counts.append(f"{len(lost)}/{len(files)}")
     finally:
