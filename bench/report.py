@@ -727,7 +727,9 @@ def disk_upstream_section(d: dict, goals: Goals) -> list[str]:
     return out
 
 
-def disk_section(d: dict, goals: Goals, d_upstream: dict | None = None) -> tuple[list[str], list[dict]]:
+def disk_section(
+    d: dict, goals: Goals, d_upstream: dict | None = None
+) -> tuple[list[str], list[dict]]:
     out, points = rows_table(
         d, goals, f"## 2. Disk tier: {d.get('tier_type', 'fs_python')} vs raw file-per-block I/O"
     )
