@@ -91,8 +91,9 @@ class OrderedTimesBudget:
         self._events.append(("forget", req_id))
 
     def admit_store(self, keys, req_context):
+        # positions are read when the job is admitted (an I/O thread): the scheduler
+        # recorded them before it submitted the job, and only adds others since
         job = Admission(keys, req_context)
-        job.ticket = [req_context.get_offload_key_position(k) for k in keys]
         self._events.append(("store", job))
         return job
 
@@ -227,6 +228,8 @@ class OrderedTimesBudget:
                 self._note(req, k, position)
 
     def _admit(self, job):
+        position_of = job.req_context.get_offload_key_position
+        job.ticket = [position_of(k) for k in job.keys]
         req = self._request(job.req_context.req_id)
         self._recall(req, job.req_context)
         for key, position in zip(job.keys, job.ticket, strict=False):
