@@ -602,4 +602,3 @@ def test_every_unit_of_the_upstream_track_is_review_sized():
     units = kit.load_units("0.34.0")
     over = {u.name: why for u in units if (why := kit.review_limits(u, units)[1])}
     assert not over, over
-
