@@ -28,6 +28,10 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import model_config  # noqa: E402
+
 DESIGNS = ("max_bytes", "ordered")
 
 
@@ -43,27 +47,6 @@ def design(name: str):
         yield
     finally:
         fs_manager.FsTierBudget = real
-
-
-def model_config(tmp: str):
-    from vllm.config import ModelConfig
-
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 4,
-        "vocab_size": 512,
-        "max_position_embeddings": 1024,
-        "torch_dtype": "float16",
-    }
-    Path(tmp, "config.json").write_text(json.dumps(cfg))
-    return ModelConfig(
-        model=tmp, tokenizer=tmp, skip_tokenizer_init=True, max_model_len=1024, dtype="float16"
-    )
 
 
 def run_case(t, mc, layout: str, name: str, root: str) -> dict:

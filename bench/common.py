@@ -189,3 +189,28 @@ def run_tasks(n_tasks: int, task, n_threads: int) -> float:
     if errors:
         raise errors[0]
     return took
+
+
+def model_config(tmp: str):
+    """A real ModelConfig of a tiny local Llama config (no hub, no weights): the layouts' KV
+    specs are given, the model is not loaded."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "float16",
+    }
+    Path(tmp, "config.json").write_text(json.dumps(cfg))
+    return ModelConfig(
+        model=tmp, tokenizer=tmp, skip_tokenizer_init=True, max_model_len=1024, dtype="float16"
+    )

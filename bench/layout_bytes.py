@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, TMP, run_main, say
+from common import ROOT, TMP, model_config, run_main, say
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
@@ -139,26 +139,6 @@ def suite_layouts() -> dict:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return {f"suite: {k}": v for k, v in mod.LAYOUTS.items()}
-
-
-def model_config(tmp: str) -> ModelConfig:
-    """A tiny local config: the layouts' KV specs are given, the model is not loaded."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 4,
-        "vocab_size": 512,
-        "max_position_embeddings": 1024,
-        "torch_dtype": "float16",
-    }
-    Path(tmp, "config.json").write_text(json.dumps(cfg))
-    return ModelConfig(
-        model=tmp, tokenizer=tmp, skip_tokenizer_init=True, max_model_len=1024, dtype="float16"
-    )
 
 
 def real_bytes(spec) -> int:
