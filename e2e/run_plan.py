@@ -164,6 +164,19 @@ def mixed_site(unpatched: bool) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+def record_tier_counts(row, kv: dict | None, log: Path) -> None:
+    """An arm's KV cache groups from its spec log and, with the connector, its disk tier's
+    files, CPU blocks and the keys promoted from disk."""
+    c = spec_log_counts(log)
+    row.groups = c["groups"]
+    if kv is not None:
+        fs_root = Path(kv["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"])
+        row.fs_files = sum(1 for _ in fs_root.rglob("*.bin"))
+        m = re.search(r"cpu_blocks=(\d+)", c["groups"] or "")
+        row.cpu_blocks = int(m.group(1)) if m else None
+        row.disk_keys = c["promoted_keys"]
+
+
 def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
             num_concurrent: int, args, pythonpath: list[str],
             model_dir: Path | None = None) -> ArmResult:
@@ -210,14 +223,7 @@ def run_arm(model: str, scenario: str, arm: str, run_dir: Path, kv: dict | None,
     finally:
         for f in set(glob.glob("/dev/shm/vllm_offload_*")) - shm_before:
             Path(f).unlink(missing_ok=True)  # left behind if the engine was killed
-    c = spec_log_counts(log)
-    row.groups = c["groups"]
-    if kv is not None:
-        fs_root = Path(kv["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"])
-        row.fs_files = sum(1 for _ in fs_root.rglob("*.bin"))
-        m = re.search(r"cpu_blocks=(\d+)", c["groups"] or "")
-        row.cpu_blocks = int(m.group(1)) if m else None
-        row.disk_keys = c["promoted_keys"]
+    record_tier_counts(row, kv, log)
     row.dur_s = round(time.monotonic() - t0, 1)
     return row
 

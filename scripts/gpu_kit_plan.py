@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
 import run_plan  # noqa: E402
-from harness import E2EError, E2ETimeout, log_tail, say, spec_log_counts  # noqa: E402
+from harness import E2EError, E2ETimeout, log_tail, say  # noqa: E402
 from make_tiny_models import MODELS  # noqa: E402
 
 # The mamba hybrid, once per cache mode (make_models writes the same model under both names).
@@ -322,14 +322,8 @@ def run_arm(model, scenario, arm, run_dir, kv, num_concurrent, args, pythonpath,
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         os.environ.pop("E2E_CORRUPT_LOADS", None)
-    c = spec_log_counts(log)
-    row.groups = c["groups"]
+    run_plan.record_tier_counts(row, kv, log)
     if kv is not None:
-        fs_root = Path(kv["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"])
-        row.fs_files = sum(1 for _ in fs_root.rglob("*.bin"))
-        m = re.search(r"cpu_blocks=(\d+)", c["groups"] or "")
-        row.cpu_blocks = int(m.group(1)) if m else None
-        row.disk_keys = c["promoted_keys"]
         row.cpu_to_gpu_bytes = loaded_bytes(log)
     row.dur_s = round(time.monotonic() - t0, 1)
     return row
