@@ -270,8 +270,9 @@ def test_restart_over_budget_trims_tails_first(
     """Files of an earlier run beyond the budget (a larger one then): at
     start the tier indexes them in the background and trims them to
     max_bytes, tail first (the kept files of each prompt are a prefix of it:
-    the order comes from the tier's journal, not file times). With a
-    key_file the files are named by a keyed hash: the same, by those names."""
+    the budget set each file's time to its order, heads newer than tails,
+    though heads were written first). With a key_file the files are named by
+    a keyed hash: the same, by those names."""
     layout = "gemma3"
     root_dir = str(tmp_path / "fs")
     key_config = {}
@@ -291,11 +292,6 @@ def test_restart_over_budget_trims_tails_first(
     finally:
         sched.shutdown()
     assert len(block_files(root_dir)) == 6 * _CHUNKS * len(prompts[0])
-    # file times say nothing of the order: the newest file is a prompt's head
-    for d, _, files in os.walk(root_dir):
-        for f in files:
-            if f.endswith(".bin"):
-                os.utime(os.path.join(d, f), (1e9, 1e9 + len(f) % 7))
 
     max_bytes = 10 * chunk
     engine = budget_engine(
@@ -543,7 +539,7 @@ def applied(budget):
     """The budget once the events the scheduler thread posted so far are
     applied (the next store job's task or the budget thread would)."""
     with budget._lock:
-        budget._drain()
+        budget._apply()
     return budget
 
 
@@ -966,46 +962,44 @@ def test_eviction_is_published_as_removed_kv_events(tmp_path):
         tier.shutdown()
 
 
-def test_the_journal_is_private_whatever_the_umask(tmp_path):
-    """The budget's journal names the chunks on disk: created 0600 in a
-    0700 rank directory, like the tier's block files, under umask 0."""
-    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
-
+def test_the_files_times_are_their_prompts_order(tmp_path):
+    """A restart reads the order back from the files' times: a prompt's
+    files (written head first, in two jobs) end up with times that fall
+    from its head to its tail, and a hit makes its chunk's file the newest."""
     rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
     page = rows.numpy().strides[0]
-    old_umask = os.umask(0)
+    tier = make_tier(str(tmp_path), rows, group_tokens=(16,), max_bytes=8 * page)
+    keys = [block_key(i) for i in range(4)]
+    other = block_key(10)
+
+    def mtimes(ks):
+        paths = [tier.file_mapper.get_file_name(k) for k in ks]
+        return [os.stat(p).st_mtime_ns for p in paths]
+
     try:
-        tier = make_tier(
-            str(tmp_path / "fs"), rows, group_tokens=(16,), max_bytes=4 * page
-        )
-        budget = tier._budget
-        try:
-            keys = [block_key(i) for i in range(2)]
-            tier.submit_store(
-                TransferJob(0, keys, np.arange(2), False, prompt_ctx("req", keys))
-            )
+        ctx = prompt_ctx("req", keys)
+        for j in (0, 2):
+            tier.submit_store(TransferJob(j, keys[j : j + 2], np.arange(2), False, ctx))
             drain(tier)
-            assert budget._parent[keys[1][:-4]] == keys[0][:-4]
-        finally:
-            tier.shutdown()  # writes the journal
+        assert all(r.success for r in store_keys(tier, [other], 10, rows))
+        wait_until(lambda: mtimes(keys) == sorted(mtimes(keys), reverse=True))
+        assert len(set(mtimes(keys))) == 4
+        assert lookup_and_wait(tier, [keys[3]]) == [LookupResult.HIT]
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        wait_until(lambda: mtimes([keys[3]])[0] > max(mtimes([other] + keys[:3])))
     finally:
-        os.umask(old_umask)
-    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
-    assert os.path.getsize(journal) > 0
-    assert os.stat(journal).st_mode & 0o777 == 0o600
-    assert os.stat(budget._rank_dir).st_mode & 0o777 == 0o700
+        tier.shutdown()
 
 
-def test_a_chunk_a_coarser_group_stored_first_gets_its_parent(tmp_path):
+def test_a_chunk_a_coarser_group_stored_first_goes_before_its_head(tmp_path):
     """Groups of 32 and 16 tokens a chunk share the block hash at every
     32 tokens: that chunk is first stored by the coarse group (its first
-    chunk: a root) and then by the fine group, whose predecessor is the
-    16-token chunk before it. It is linked then, so that eviction takes
-    it (the tail) before that predecessor (the head)."""
+    chunk) and then by the fine group, after the 16-token chunk before it.
+    It is the prompt's tail: a store that needs room evicts it (both its
+    files) and keeps the head."""
     rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
     page = rows.numpy().strides[0]
-    tier = make_tier(str(tmp_path), rows, group_tokens=(32, 16), max_bytes=8 * page)
-    budget = tier._budget
+    tier = make_tier(str(tmp_path), rows, group_tokens=(32, 16), max_bytes=3 * page)
     try:
         head, tail = b"h" * 32, b"t" * 32
         coarse = make_offload_key(tail, 0)  # tokens 0-32
@@ -1016,11 +1010,16 @@ def test_a_chunk_a_coarser_group_stored_first_gets_its_parent(tmp_path):
         ctx.set_offload_key_position(fine[1], 32)
         tier.submit_store(TransferJob(0, [coarse, fine[0]], np.arange(2), False, ctx))
         drain(tier)
-        assert tail not in budget._parent  # nothing before it in its group
         tier.submit_store(TransferJob(1, [fine[1]], np.arange(1), False, ctx))
         drain(tier)
-        assert budget._parent[tail] == head
-        assert list(budget._leaves) == [tail]
+        assert len(block_files(str(tmp_path))) == 3
+        # a newer request's key needs one file: the tail's two go
+        assert all(r.success for r in store_keys(tier, [block_key(9)], 10, rows))
+        on_disk = [
+            os.path.exists(tier.file_mapper.get_file_name(k))
+            for k in (fine[0], coarse, fine[1])
+        ]
+        assert on_disk == [True, False, False]
     finally:
         tier.shutdown()
 
@@ -1369,10 +1368,10 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
 
 
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
-    """The keys kept for finding parents are bounded (MAX_TRACKED_KEYS, the
-    least recently seen requests dropped first) and dropped when a request
-    finishes, and the journal of parents is compacted to the chunks still
-    indexed: 50 requests of 4 chained chunks over a budget of 4 files."""
+    """The requests' keys kept for the order are bounded (MAX_TRACKED_KEYS,
+    the least recently seen requests dropped first) and dropped when a
+    request finishes, and the index holds the files on disk only: 50
+    requests of 4 chunks over a budget of 4 files."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 64)
@@ -1393,65 +1392,67 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
                     )
                 )
                 drain(tier)
-            assert budget._order_keys <= 64
-            assert sum(len(o) for o in budget._orders.values()) <= 64
+            assert 0 < budget._tracked <= 64
+            assert budget._tracked == sum(
+                len(req.keys) + len(req.found) for req in budget._requests.values()
+            )
             if r % 2:
                 tier.on_request_finished(ctx)
-                assert ctx.req_id not in applied(budget)._orders
-        # the last request's chunks are kept, linked head to tail
+                assert ctx.req_id not in applied(budget)._requests
+            assert len(budget._chunks) <= 4
+            assert len(budget._heap) <= 2 * 4 + budget_module.SCAN_BATCH
+        # the last request's chunks are kept, head newest
         last = [block_key(49000 + i) for i in range(4)]
         assert lookup_and_wait(tier, last) == [LookupResult.HIT] * 4
-        assert budget._parent[last[3][:-4]] == last[2][:-4]
-        assert budget._parent[last[2][:-4]] == last[1][:-4]
+        times = [budget._chunks[k[:-4]][0] for k in last]
+        assert times == sorted(times, reverse=True)
     finally:
         tier.shutdown()
-    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
-    record = 2 + 2 * 32
-    # 150 links written, compacted to those of the 4 indexed chunks
-    assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)
 
 
 def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
-    """The keys lookup() reported present (with a key_file, what turns an
-    evicted chunk's cached hits into misses) are bounded (MAX_TRACKED_KEYS,
-    the least recently seen requests dropped first) and dropped when a
-    request finishes, also when several requests found the same key."""
+    """The keys lookup() found on disk but not in the index (another
+    engine's files on a shared root: what a successor's store needs) are
+    bounded (MAX_TRACKED_KEYS, the least recently seen requests dropped
+    first) and dropped when a request finishes, also when several requests
+    found the same key; with a key_file, the block hashes the budget keeps
+    are one per indexed chunk at most."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 8)
     rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
     page = rows.numpy().strides[0]
-    tier = make_tier(
-        str(tmp_path / "kv"),
-        rows,
-        max_bytes=64 * page,
-        key_file=key_file(tmp_path / "key"),
+    key = key_file(tmp_path / "key")
+    tier, other = (
+        make_tier(str(tmp_path / "kv"), rows, max_bytes=64 * page, key_file=key)
+        for _ in range(2)
     )
     budget = tier._budget
     try:
+        assert budget.scan_done.wait(30)
         keys = [block_key(i) for i in range(20)]
-        assert all(r.success for r in store_keys(tier, keys, 0, rows))
+        assert all(r.success for r in store_keys(other, keys, 0, rows))
         contexts = [ReqContext(f"req{r}") for r in range(8)]
         for r, ctx in enumerate(contexts):
             # overlapping requests: keys 2r .. 2r+3
             found = lookup_and_wait(tier, keys[2 * r : 2 * r + 4], ctx)
             assert found == [LookupResult.HIT] * 4
-            assert 0 < applied(budget)._present_keys <= 8
-            assert sum(len(p) for p in budget._present.values()) == (
-                budget._present_keys
-            )
-            assert sum(sum(n.values()) for n in budget._present_by_chunk.values()) == (
-                budget._present_keys
+            assert 0 < applied(budget)._tracked <= 8
+            assert budget._tracked == sum(
+                len(req.keys) + len(req.found) for req in budget._requests.values()
             )
             if r % 2:
                 tier.on_request_finished(ctx)
-                assert ctx.req_id not in applied(budget)._present
+                assert ctx.req_id not in applied(budget)._requests
         for ctx in contexts:
             tier.on_request_finished(ctx)
-        assert applied(budget)._present_keys == 0
-        assert not budget._present and not budget._present_by_chunk
+        assert applied(budget)._tracked == 0 and not budget._requests
+        assert not budget._chunks and not budget._hash_of
+        store_keys(tier, [block_key(100 + i) for i in range(3)], 30, rows)
+        assert len(applied(budget)._hash_of) == len(budget._chunks) == 3
     finally:
         tier.shutdown()
+        other.shutdown()
 
 
 # ---------------------------------------------------------------------------

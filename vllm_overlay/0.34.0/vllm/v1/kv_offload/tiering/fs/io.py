@@ -43,11 +43,9 @@ _thread_local = threading.local()
 
 # The tier's temp files, see _get_tmp_suffix(): a block's
 # (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
-# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp), config.json's and the
-# budget journal's compaction (budget.journal_<n>.tmp).
+# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp) and config.json's.
 _TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^config\.json|^budget\.journal)"
-    r"_[0-9]+\.tmp$"
+    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^config\.json)_[0-9]+\.tmp$"
 )
 
 

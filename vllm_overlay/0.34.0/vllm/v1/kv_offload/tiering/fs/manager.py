@@ -59,11 +59,12 @@ Budget (the tier config's "max_bytes", unbounded by default):
     store evicts first, whole chunks (every group's file) of the least
     recently used prefix tails, never a chunk with a transfer in flight; a
     store that cannot fit fails for the keys that do not. Existing files are
-    indexed at start, in the background. See budget.py. The root's other
-    layouts (an earlier version's, another model's) are not counted: they
-    are named at start, for their owner to remove, least recently used
-    first, with how long ago (a running tier sets its layout directory's
-    mtime hourly), so that a layout nobody runs is told from a live one.
+    indexed at start, in the background, in the order of their times. See
+    budget.py. The root's other layouts (an earlier version's, another
+    model's) are not counted: they are named at start, for their owner to
+    remove, least recently used first, with how long ago (a running tier
+    sets its layout directory's mtime hourly), so that a layout nobody runs
+    is told from a live one.
 """
 
 import contextlib
@@ -642,7 +643,6 @@ class FileSystemTierManager(SecondaryTierManager):
                 and not (group.block_layout and group.block_layout.kind == "mamba")
             ]
             or None,
-            modes=self._modes,
             chunk_id=chunk_id,
             on_removal_errors=self._pool.record_removal_errors,
         )
@@ -838,7 +838,7 @@ class FileSystemTierManager(SecondaryTierManager):
             # kept until the promotion the tiering manager submits for it;
             # posted first: an eviction racing with this lookup either sees
             # the hit or has marked the chunk removing (a miss)
-            budget.on_hit(key, req_context)
+            budget.on_hit(key, req_context.req_id, req_context.offload_key_positions())
             if budget.is_removing(key):
                 return LookupResult.MISS
         return LookupResult.HIT if result else LookupResult.MISS
@@ -934,7 +934,10 @@ class FileSystemTierManager(SecondaryTierManager):
         if self._budget is not None:
             # the job's admission is decided by its task, in order with the
             # scheduler's other budget events (off this thread)
-            admission = self._budget.admit_store(keys, job_metadata.req_context)
+            ctx = job_metadata.req_context
+            admission = self._budget.admit_store(
+                keys, ctx.req_id, ctx.offload_key_positions()
+            )
             self._budget_tickets[job_id] = admission
             task = functools.partial(
                 self._store_within_budget, job_id, admission, keys, paths, offsets
