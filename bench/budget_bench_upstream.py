@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The 0.34.0 fs tier's byte budget (max_bytes): its scheduler-thread cost beside the
-unbounded tier (the figures patch 0019 of patches/0.34.0 and pr-units.toml cite).
+unbounded tier (the figure patches/0.34.0/pr-units.toml cites for patch 0021).
 
 Runs on the vLLM this interpreter imports (.venv-0.34.0, or PYTHONPATH of a work tree's site
 from scripts/worktree_site.py), both tiers in this one process, rounds interleaved (the order
@@ -45,11 +45,9 @@ ROWS = 64
 BUDGET_ROUNDS = 4  # requests' files the budget holds
 WARMUP_ROUNDS = 6  # not timed: the budget fills during the first BUDGET_ROUNDS
 SIDES = ("unbounded", "max_bytes")
-# --design ordered adds a third tier with bench/ordered_budget.py's budget (issue 34)
-DESIGNS = ("max_bytes", "ordered")
 
 
-def one_process(rounds: int, sides: tuple[str, ...] = SIDES) -> dict:
+def one_process(rounds: int) -> dict:
     import numpy as np
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -60,28 +58,19 @@ def one_process(rounds: int, sides: tuple[str, ...] = SIDES) -> dict:
     region = mmap.mmap(-1, ROWS * ROW)  # page-aligned rows, as the CPU tier's region
     rows = memoryview(region).cast("B", (ROWS, ROW))
     root = tempfile.mkdtemp(prefix="budget-bench-033-")
-    import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
-    from ordered_budget import OrderedTimesBudget
-
-    def make_tier(side: str):
-        real = fs_manager.FsTierBudget
-        if side == "ordered":
-            fs_manager.FsTierBudget = OrderedTimesBudget
-        try:
-            return FileSystemTierManager(
-                offloading_spec=fake_spec_upstream("bench-model", num_groups=1),
-                primary_kv_view=rows,
-                tier_type="fs",
-                root_dir=f"{root}/{side}",
-                n_read_threads=4,
-                n_write_threads=4,
-                max_bytes=None if side == "unbounded" else BUDGET_ROUNDS * KEYS * ROW,
-            )
-        finally:
-            fs_manager.FsTierBudget = real
-
-    tiers = {side: make_tier(side) for side in sides}
-    for side in sides:
+    tiers = {
+        side: FileSystemTierManager(
+            offloading_spec=fake_spec_upstream("bench-model", num_groups=1),
+            primary_kv_view=rows,
+            tier_type="fs",
+            root_dir=f"{root}/{side}",
+            n_read_threads=4,
+            n_write_threads=4,
+            max_bytes=max_bytes,
+        )
+        for side, max_bytes in (("unbounded", None), ("max_bytes", BUDGET_ROUNDS * KEYS * ROW))
+    }
+    for side in SIDES:
         os.makedirs(f"{root}/{side}", mode=0o700, exist_ok=True)
     job_id = 0
     end = ScheduleEndContext((), ())
@@ -110,28 +99,23 @@ def one_process(rounds: int, sides: tuple[str, ...] = SIDES) -> dict:
         tier.on_request_finished(ctx)
         return cpu / KEYS * 1e6, wall / KEYS * 1e6
 
-    out: dict = {f"{side}_{m}": [] for side in sides for m in ("sched_cpu", "store_wall")}
+    out: dict = {f"{side}_{m}": [] for side in SIDES for m in ("sched_cpu", "store_wall")}
     budget = tiers["max_bytes"]._budget
-    evicted0 = {}
     try:
         if not budget.scan_done.wait(60):
             raise RuntimeError("the budget's start-up scan did not finish")
         for r in range(rounds):
             if r == WARMUP_ROUNDS:
-                evicted0 = {s: tiers[s]._budget.evicted_files for s in sides if s != "unbounded"}
-            order = sides[r % len(sides) :] + sides[: r % len(sides)]  # rotated each round
-            for side in order:
+                evicted0 = budget.evicted_files
+            for side in SIDES if r % 2 else SIDES[::-1]:
                 cpu, wall = serve(tiers[side], r)
                 if r >= WARMUP_ROUNDS:
                     out[f"{side}_sched_cpu"].append(cpu)
                     out[f"{side}_store_wall"].append(wall)
         written = (rounds - WARMUP_ROUNDS) * KEYS
-        for side, before in evicted0.items():
-            b = tiers[side]._budget
-            suffix = "" if side == "max_bytes" else f"_{side}"
-            out[f"evicted_share{suffix}"] = (b.evicted_files - before) / written
-            out[f"rejected_files{suffix}"] = b.rejected_files
-            out[f"used_share{suffix}"] = (b.used + b.unlinking) / b.max_bytes
+        out["evicted_share"] = (budget.evicted_files - evicted0) / written
+        out["rejected_files"] = budget.rejected_files
+        out["used_share"] = (budget.used + budget.unlinking) / budget.max_bytes
     finally:
         for tier in tiers.values():
             tier.shutdown()
@@ -139,10 +123,10 @@ def one_process(rounds: int, sides: tuple[str, ...] = SIDES) -> dict:
     return out
 
 
-def ratios(result: dict, metric: str, side: str = "max_bytes") -> list[float]:
+def ratios(result: dict, metric: str) -> list[float]:
     return [
         b / u
-        for b, u in zip(result[f"{side}_{metric}"], result[f"unbounded_{metric}"], strict=True)
+        for b, u in zip(result[f"max_bytes_{metric}"], result[f"unbounded_{metric}"], strict=True)
     ]
 
 
@@ -152,14 +136,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=16, help="rounds per process")
     ap.add_argument("--json", help="write the per-process results here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--design", choices=DESIGNS[1:], help="also this budget design, in turn")
     args = ap.parse_args()
     if args.rounds <= WARMUP_ROUNDS:
         raise SystemExit(f"--rounds must be more than {WARMUP_ROUNDS} (the warm-up)")
     if args.worker:
-        json.dump(
-            one_process(args.rounds, SIDES + ((args.design,) if args.design else ())), sys.stdout
-        )
+        json.dump(one_process(args.rounds), sys.stdout)
         return 0
     import vllm
 
@@ -168,8 +149,7 @@ def main() -> int:
     results = []
     for p in range(args.procs):
         out = subprocess.run(
-            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds)]
-            + (["--design", args.design] if args.design else []),
+            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds)],
             check=True,
             capture_output=True,
             text=True,
@@ -184,21 +164,19 @@ def main() -> int:
             f"load {os.getloadavg()[0]:.1f}"
         )
     print(f"load average at end: {os.getloadavg()}")
-    designs = ("max_bytes",) + ((args.design,) if args.design else ())
     for metric in ("sched_cpu", "store_wall"):
-        for side in designs:
-            pooled = [x for r in results for x in ratios(r, metric, side)]
-            per_proc = [statistics.median(ratios(r, metric, side)) for r in results]
-            med = {
-                s: statistics.median(x for r in results for x in r[f"{s}_{metric}"])
-                for s in ("unbounded", side)
-            }
-            print(
-                f"{metric} us/key: unbounded median {med['unbounded']:.1f}, {side} median "
-                f"{med[side]:.1f}; ratio median {statistics.median(pooled):.2f}, best "
-                f"{min(pooled):.2f} (n={len(pooled)}; per process medians "
-                f"{min(per_proc):.2f}-{max(per_proc):.2f})"
-            )
+        pooled = [x for r in results for x in ratios(r, metric)]
+        per_proc = [statistics.median(ratios(r, metric)) for r in results]
+        med = {
+            side: statistics.median(x for r in results for x in r[f"{side}_{metric}"])
+            for side in SIDES
+        }
+        print(
+            f"{metric} us/key: unbounded median {med['unbounded']:.1f}, max_bytes median "
+            f"{med['max_bytes']:.1f}; ratio median {statistics.median(pooled):.2f}, best "
+            f"{min(pooled):.2f} (n={len(pooled)}; per process medians "
+            f"{min(per_proc):.2f}-{max(per_proc):.2f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

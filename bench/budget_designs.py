@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
-"""Two max_bytes budget designs of the 0.34.0 fs tier side by side (issue 34, item 3): the
-series' FsTierBudget (budget.py: a parent forest, a journal) and bench/ordered_budget.py's
-ordered times (one invariant, no journal), on issue 19's workload.
+"""The 0.34.0 fs tier's max_bytes budget (the series' FsTierBudget, fs/budget.py: ordered
+times kept in the files' mtimes) on issue 19's workload: what it keeps reachable and hits.
 
 Workload (test_fs_tier_budget.py's test_no_kept_file_is_unreachable_with_sliding_window_groups,
 through the real connector scheduler, the CPU tier of 64 blocks and the fs tier writing real
@@ -9,15 +8,15 @@ files): 32 prompts of 4 shared heads of 4 chunks and 4 chunks of their own, then
 (recent prompts more likely), each looked up (its disk hit promoted) and then offloaded, over
 a budget of 16 chunks. After each request (its jobs done, the removals waited for): the
 unreachable share of the kept files (files of a prompt past the first full-attention chunk it
-lost: they can never hit). Reported per layout and design: mean and worst share, tokens hit
-from the fs tier's promotions, evicted and rejected files, files never written past a gap.
+lost: they can never hit), sampled from the first time the files reach 90% of the budget.
+Reported per layout: mean and worst share, tokens hit from the fs tier's promotions, evicted
+and rejected files, files never written past a gap.
 
     PYTHONPATH=<dir with a `tests` link to build/vllm-0.34.0/tests> \\
         .venv-0.34.0/bin/python bench/budget_designs.py [--layouts llama,gemma3]
 """
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -32,29 +31,12 @@ sys.path.insert(0, str(HERE))
 
 from common import model_config  # noqa: E402
 
-DESIGNS = ("max_bytes", "ordered")
 
-
-@contextlib.contextmanager
-def design(name: str):
-    import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
-    from ordered_budget import OrderedTimesBudget
-
-    real = fs_manager.FsTierBudget
-    if name == "ordered":
-        fs_manager.FsTierBudget = OrderedTimesBudget
-    try:
-        yield
-    finally:
-        fs_manager.FsTierBudget = real
-
-
-def run_case(t, mc, layout: str, name: str, root: str) -> dict:
+def run_case(t, mc, layout: str, root: str) -> dict:
     probe = t.Engine(mc, layout, root, 64)
     max_bytes = 16 * t.chunk_bytes_on_disk(probe)
     engine = t.budget_engine(mc, layout, root, max_bytes=max_bytes)
-    with design(name):
-        sched = engine.connector_scheduler()
+    sched = engine.connector_scheduler()
     hits: dict[str, int] = {}  # the tokens each lookup request hit, as settle_step saw them
     matched = sched.get_num_new_matched_tokens
 
@@ -109,7 +91,6 @@ def main() -> int:
     ap.add_argument("--layouts", default="llama,gemma3,gemma4,qwen3_5")
     ap.add_argument("--json")
     args = ap.parse_args()
-    sys.path.insert(0, str(HERE))
     import tests.v1.kv_offload.test_fs_tier_budget as t
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
@@ -120,17 +101,14 @@ def main() -> int:
         Path(tmp, "model").mkdir()
         mc = model_config(str(Path(tmp, "model")))
         for layout in args.layouts.split(","):
-            for name in DESIGNS:
-                root = str(Path(tmp, f"fs-{layout}-{name}"))
-                r = out.setdefault(layout, {})[name] = run_case(t, mc, layout, name, root)
-                print(
-                    f"{layout:7} {name:9} unreachable mean {r['mean']:.2%} worst "
-                    f"{r['worst']:.2%} ({r['samples']} samples), hit tokens "
-                    f"{r['hit_tokens']}, evicted {r['evicted_files']}, rejected "
-                    f"{r['rejected_files']}, not written past a gap "
-                    f"{r['not_written_past_a_gap']} ({r['seconds']} s)",
-                    flush=True,
-                )
+            r = out[layout] = run_case(t, mc, layout, str(Path(tmp, f"fs-{layout}")))
+            print(
+                f"{layout:7} unreachable mean {r['mean']:.2%} worst {r['worst']:.2%} "
+                f"({r['samples']} samples), hit tokens {r['hit_tokens']}, evicted "
+                f"{r['evicted_files']}, rejected {r['rejected_files']}, not written past a "
+                f"gap {r['not_written_past_a_gap']} ({r['seconds']} s)",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

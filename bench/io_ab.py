@@ -30,9 +30,10 @@ from common import ROOT, TMP, BenchError, round_order, run_main, say
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import disk_bench  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs import io as fs_io  # noqa: E402
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager  # noqa: E402
+
+import disk_bench  # noqa: E402
 
 
 def swapped(target, names: tuple[str, str], before) -> tuple[dict, object]:

@@ -17,6 +17,7 @@ from _lib import SERIES_VERSION, UserError, overlay_dir, rel, run_main, say, ser
 
 # Identical on both tracks: a change to one is made to the other in the same commit.
 SHARED = (
+    "vllm/v1/kv_offload/tiering/fs/budget.py",
     "vllm/v1/kv_offload/tiering/fs/security.py",
 )
 # The fs tier's code on the upstream track, for the shared-lines figure.

@@ -52,6 +52,7 @@ _MOCK_OFFLOADING_SPEC.vllm_config = _MOCK_VLLM_CONFIG
 _MOCK_OFFLOADING_SPEC.kv_cache_config = _MOCK_KV_CACHE_CONFIG
 _MOCK_OFFLOADING_SPEC.block_size_factor = 1
 _MOCK_OFFLOADING_SPEC.hash_block_size = 16
+_MOCK_OFFLOADING_SPEC.offloaded_block_size = (16,)
 
 
 def key(n: int) -> OffloadKey:

@@ -539,6 +539,22 @@ def store_keys(tier, keys: list[OffloadKey], first_job: int, rows) -> list:
     return results
 
 
+def prompt_ctx(req_id: str, keys: list[OffloadKey]) -> ReqContext:
+    """A request's context with its keys' positions, as the connector
+    scheduler records them (16 tokens a chunk)."""
+    ctx = ReqContext(req_id)
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, 16 * (i + 1))
+    return ctx
+
+
+def prompt_job(job_id: int, keys: list[OffloadKey], ctx: ReqContext):
+    from vllm.v1.kv_offload.tiering.base import JobMetadata
+
+    block_ids = np.arange(len(keys), dtype=np.int64)
+    return JobMetadata(job_id, keys, block_ids, False, ctx)
+
+
 def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypatch):
     """Whatever a store raises (an OSError, or another exception from a
     bug), the budget counts only the files that are there: jobs that wrote
@@ -581,7 +597,6 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
     monkeypatch.setattr(fs_manager, "load_block", slow_load)
     try:
         a, b, c, d = key(1), key(2), key(3), key(4)
-        tier.touch([a], _CTX)
         store_keys(tier, [a, b], 0, rows)
         tier.submit_load(make_job(10, [a], [5], is_promotion=True))
         assert tier.lookup(b, _CTX)  # reported present: its promotion follows
@@ -602,18 +617,11 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
         tier.shutdown()
 
 
-@pytest.mark.parametrize("removals_per_task", [16, 0])
-def test_a_refused_job_still_removes_what_it_evicted(
-    tmp_path, monkeypatch, removals_per_task
-):
+def test_a_refused_job_still_removes_what_it_evicted(tmp_path):
     """A job that evicts a chunk and is then refused (the rest of the room
     is pinned by a lookup hit) still removes the evicted file: else it stays
     on disk uncounted, past max_bytes, and its key is a miss that is never
-    written again. With no removals per task, the job's last task removes
-    everything the job evicted."""
-    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
-
-    monkeypatch.setattr(fs_manager, "REMOVALS_PER_TASK", removals_per_task)
+    written again. The job's first task removes it, whatever its key."""
     rows = _aligned_rows(8)
     page = rows.shape[1]
     max_bytes = 2 * page + page // 2
@@ -681,34 +689,33 @@ def test_an_evicted_file_is_a_miss_until_it_is_removed(tmp_path):
         tier.shutdown()
 
 
-def test_the_journal_is_private_whatever_the_umask(tmp_path):
-    """The budget's journal names the chunks on disk: created 0600 in a
-    0700 rank directory, like the tier's block files, under umask 0."""
-    from vllm.v1.kv_offload.tiering.base import JobMetadata
-    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
-
-    rows = _aligned_rows(4)
+def test_the_files_times_are_their_prompts_order(tmp_path):
+    """A restart reads the order back from the files' times: a prompt's
+    files (written head first, in two jobs) end up with times that fall
+    from its head to its tail, and a hit makes its chunk's file the newest."""
+    rows = _aligned_rows(8)
     page = rows.shape[1]
-    old_umask = os.umask(0)
+    tier = make_tier(str(tmp_path), rows, max_bytes=8 * page)
+    keys = [key(i) for i in range(4)]
+    other = key(10)
+
+    def mtimes(ks):
+        paths = [tier.file_mapper.get_file_name(k) for k in ks]
+        return [os.stat(p).st_mtime_ns for p in paths]
+
     try:
-        tier = make_tier(str(tmp_path / "fs"), rows, max_bytes=4 * page)
-        budget = tier._budget
-        try:
-            ctx = ReqContext("req")
-            keys = [key(i) for i in range(2)]
-            tier.touch(keys, ctx)
-            tier.submit_store(
-                JobMetadata(0, keys, np.arange(2, dtype=np.int64), False, ctx)
-            )
+        ctx = prompt_ctx("req", keys)
+        for j in (0, 2):
+            tier.submit_store(prompt_job(j, keys[j : j + 2], ctx))
             _finish(tier)
-        finally:
-            tier.shutdown()  # writes the journal
+        assert all(r.success for r in store_keys(tier, [other], 10, rows))
+        # written at once (one kernel tick), then set to their order
+        wait_until(lambda: mtimes(keys) == sorted(set(mtimes(keys)), reverse=True))
+        assert tier.lookup(keys[3], _CTX)
+        tier.get_finished()  # the step ends
+        wait_until(lambda: mtimes([keys[3]])[0] > max(mtimes([other] + keys[:3])))
     finally:
-        os.umask(old_umask)
-    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
-    assert os.path.getsize(journal) > 0
-    assert os.stat(journal).st_mode & 0o777 == 0o600
-    assert os.stat(budget._rank_dir).st_mode & 0o777 == 0o700
+        tier.shutdown()
 
 
 def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
@@ -956,12 +963,10 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
 
 
 def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
-    """The prompt-ordered key lists kept for finding parents are bounded
-    (MAX_TRACKED_KEYS, least recently touched requests dropped first; a
-    list that grew since its last touch counts at its new length), and
-    the journal of parents is compacted to the chunks still indexed: 50
-    requests of 4 chained chunks over a budget of 4 files."""
-    from vllm.v1.kv_offload.tiering.base import JobMetadata
+    """The requests' keys kept for the order are bounded (MAX_TRACKED_KEYS,
+    the least recently seen requests dropped first; 0.22.1 tiers hear of no
+    finished request), and the index holds the files on disk only: 50
+    requests of 4 chunks over a budget of 4 files."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 64)
@@ -972,37 +977,29 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
     budget = tier._budget
     try:
         for r in range(50):
-            ctx = ReqContext(f"req{r}")
             keys = [key(1000 * r + i) for i in range(4)]
-            # the connector touches a full-attention group's live list,
-            # which grows between touches (decode): counted by length
-            live = keys[:2]
-            tier.touch(live, ctx)
-            live.extend(keys[2:])
-            tier.touch(live, ctx)
-            tier.submit_store(
-                JobMetadata(r, keys, np.arange(4, dtype=np.int64), False, ctx)
-            )
+            tier.submit_store(prompt_job(r, keys, prompt_ctx(f"req{r}", keys)))
             _finish(tier)
-            assert budget._order_keys <= 64
-            assert (
-                sum(len(o) for d in budget._orders.values() for o in d.values()) <= 64
-            )
-        # the last request's chunks are kept, linked head to tail
-        assert all(tier.lookup(key(49000 + i), _CTX) for i in range(4))
-        assert budget._parent[key(49003)[:-4]] == key(49002)[:-4]
+            with budget._lock:
+                assert 0 < budget._tracked <= 64
+                assert budget._tracked == sum(
+                    len(q.keys) + len(q.found) for q in budget._requests.values()
+                )
+                assert len(budget._chunks) <= 4
+                assert len(budget._heap) <= 2 * 4 + budget_module.SCAN_BATCH
+        # the last request's chunks are kept, head newest
+        last = [key(49000 + i) for i in range(4)]
+        assert all(tier.lookup(k, _CTX) for k in last)
+        times = [budget._chunks[k[:-4]][0] for k in last]
+        assert times == sorted(times, reverse=True)
     finally:
         tier.shutdown()
-    journal = os.path.join(budget._rank_dir, budget_module.JOURNAL_NAME)
-    record = 2 + 2 * 32
-    # 150 links written, compacted to those of the 4 indexed chunks
-    assert 0 < os.path.getsize(journal) <= record * (2 * 4 + 8)
 
 
 def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
     """The budget's work (admission, eviction, pins, the orphan check's
     filesystem call) runs off the scheduler thread: with the budget's lock
-    held by another thread, touch(), lookup(), submit_store(),
+    held by another thread, lookup(), submit_store(),
     submit_load() and get_finished() return at once, and no budget path
     is made on the scheduler thread; once the lock is free, the jobs
     finish and the budget holds."""
@@ -1010,14 +1007,14 @@ def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
     page = rows.shape[1]
     tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
     budget = tier._budget
-    key_path = budget._key_path
+    chunk_path = budget._chunk_path
     path_threads: list[str] = []
 
-    def recording_key_path(k):
+    def recording_chunk_path(h, g):
         path_threads.append(threading.current_thread().name)
-        return key_path(k)
+        return chunk_path(h, g)
 
-    budget._key_path = recording_key_path
+    budget._chunk_path = recording_chunk_path
     try:
         assert budget.scan_done.wait(30)
         store_keys(tier, [key(1), key(2)], 0, rows)
@@ -1034,12 +1031,14 @@ def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
         results: list = []
 
         def scheduler_calls():
-            # key 3's predecessor (key 9) is indexed nowhere: an orphan
-            tier.touch([key(9), key(3), key(4)], _CTX)
+            # key 3's predecessor (key 9) is on no disk: an orphan
+            ctx = prompt_ctx("orphan", [key(9), key(3), key(4)])
             assert tier.lookup(key(1), _CTX)
             for n in (3, 4):
                 rows[n] = block_bytes(key(n), page)
-            tier.submit_store(make_job(5, [key(3), key(4)], [3, 4]))
+            job = prompt_job(5, [key(3), key(4)], ctx)
+            job.block_ids[:] = (3, 4)
+            tier.submit_store(job)
             tier.submit_load(make_job(6, [key(1)], [6], is_promotion=True))
             results.extend(tier.get_finished())
 
@@ -1065,9 +1064,8 @@ def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
 
 def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypatch):
     """Past HIGH_WATER percent of max_bytes the budget thread evicts down to
-    LOW_WATER percent, never below, and hands the removal of those files to
-    the I/O threads: stores at a full budget then find room, and their
-    tasks remove no file."""
+    LOW_WATER percent, never below, and removes those files itself: stores
+    at a full budget then find room, and their tasks remove no file."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     rows = _aligned_rows(8)
@@ -1107,38 +1105,25 @@ def test_the_budget_thread_evicts_ahead_to_the_low_water_mark(tmp_path, monkeypa
         assert disk_bytes(str(tmp_path)) <= high
         assert budget.evicted_files >= 100 - 40
         assert not by_stores
-        # the I/O threads removed them, between the stores' tasks
         assert len(removers) >= 100 - 40, removers
-        io_threads = ("vllm_kv_py_fs_s", "vllm_kv_py_fs_l")
-        assert all(n.startswith(io_threads) for n in removers), removers
+        assert set(removers) == {"vllm_kv_py_fs_budget"}, removers
     finally:
         tier.shutdown()
 
 
 def test_a_store_does_not_wait_for_the_budget_threads_removals(tmp_path, monkeypatch):
-    """The first removal of files evicted ahead hangs (a stuck file): stores
-    that need the room take over the removals not started or evict, write,
-    and the files stay within max_bytes."""
+    """The budget thread's file removal hangs (a stuck filesystem): stores
+    that need the room evict for themselves, write, and the files stay
+    within max_bytes."""
     rows = _aligned_rows(8)
     page = rows.shape[1]
     tier = make_tier(str(tmp_path), rows, max_bytes=20 * page)
     budget = tier._budget
     stuck, release = threading.Event(), threading.Event()
     remove = os.remove
-    ahead = threading.local()
-    remove_ahead = budget._remove_ahead
-
-    def marked_remove_ahead():
-        ahead.on = True
-        try:
-            remove_ahead()
-        finally:
-            ahead.on = False
-
-    monkeypatch.setattr(budget, "_remove_ahead", marked_remove_ahead)
 
     def hanging_remove(path, *args, **kwargs):
-        if getattr(ahead, "on", False) and not stuck.is_set():
+        if threading.current_thread().name == "vllm_kv_py_fs_budget":
             stuck.set()
             release.wait(60)
         return remove(path, *args, **kwargs)
@@ -1232,32 +1217,33 @@ def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, ca
         tier.shutdown()
 
 
-def test_a_chunk_stored_during_the_scan_links_to_its_recovered_parent(
+def test_a_chunk_stored_during_the_scan_stays_behind_its_recovered_head(
     tmp_path, monkeypatch
 ):
-    """A chunk stored while the start-up scan has not inserted its parent
-    (a file of an earlier run) is linked to it: the parent, once
-    inserted, has a kept child and is not evicted before it."""
+    """A chunk stored while the start-up scan has not reached the chunk
+    before it (a file of an earlier run, older) takes that file into the
+    index at once, at its request's order: once the scan is done, the
+    earlier chunk is still newer than the new one, so eviction takes the
+    new chunk (the tail) first."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     rows = _aligned_rows(8)
     page = rows.shape[1]
     tier = make_tier(str(tmp_path), rows, max_bytes=8 * page)
     try:
-        tier.touch([key(1), key(2)], _CTX)
         store_keys(tier, [key(1), key(2)], 0, rows)
-        # the parent is the older file: inserted by the scan's second batch
-        now = time.time()
-        for n, age in ((1, 100), (2, 50)):
-            path = tier.file_mapper.get_file_name(key(n))
-            os.utime(path, (now - age, now - age))
     finally:
         tier.shutdown()
+    now = time.time()
+    for n, age in ((1, 100), (2, 50)):  # earlier runs' files: old
+        path = tier.file_mapper.get_file_name(key(n))
+        os.utime(path, (now - age, now - age))
     # one chunk per scan batch, the scan held after its first batch
     paused, resume = threading.Event(), threading.Event()
 
     class HeldTime:
         monotonic = staticmethod(time.monotonic)
+        time_ns = staticmethod(time.time_ns)
 
         @staticmethod
         def sleep(seconds):
@@ -1270,20 +1256,18 @@ def test_a_chunk_stored_during_the_scan_links_to_its_recovered_parent(
     budget = tier._budget
     try:
         assert paused.wait(30)
-        parent = key(1)[:-4]
-        assert budget._recovering is not None and parent in budget._recovering
-        # another prompt with the same first chunk
-        tier.touch([key(1), key(5)], _CTX)
-        (result,) = store_keys(tier, [key(5)], 10, rows)
-        assert result.success
-        assert budget._parent.get(key(5)[:-4]) == parent
+        # another prompt with the same first chunk, not indexed yet
+        head = key(1)[:-4] if key(1)[:-4] not in budget._chunks else key(2)[:-4]
+        first = key(1) if head == key(1)[:-4] else key(2)
+        ctx = prompt_ctx("req", [first, key(5)])
+        rows[0] = block_bytes(key(5), page)
+        tier.submit_store(prompt_job(10, [key(5)], ctx))
+        assert all(r.success for r in _finish(tier))
         resume.set()
         assert budget.scan_done.wait(30)
-        # two kept children (key 2 from the journal, key 5): not a leaf
-        assert budget._chunks[parent] & budget_module.CHILDREN == (
-            2 * budget_module.CHILD
-        )
-        assert parent not in budget._leaves
+        with budget._lock:
+            assert budget._chunks[head][0] > budget._chunks[key(5)[:-4]][0]
+            assert len(budget._chunks) == 3
     finally:
         resume.set()
         tier.shutdown()

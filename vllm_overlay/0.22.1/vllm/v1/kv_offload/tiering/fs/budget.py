@@ -1,209 +1,145 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""
-FsTierBudget: a byte budget (``max_bytes``) for the fs_python tier, with an
-eviction order that keeps whole prefixes.
+"""FsTierBudget: a byte budget (``max_bytes``) for the fs tier that keeps whole
+prefixes, in the order its files' own times record.
 
-What can still hit:
-    A hit needs every full-attention group's chunks from the start of the
-    prompt, so a file is only useful while every earlier chunk of its prefix
-    is kept. Block hashes chain (a chunk's hash covers its whole prefix), so
-    the chunks on disk form a forest: a chunk's parent is the chunk before it
-    in its prompt. Only leaves (chunks with no kept child) are evicted, in
-    least-recently-used order, with every group's file of the chunk at once;
-    a parent whose last child was evicted becomes the next victim. So a
-    prefix loses its tail before its head, a prefix shared by several
-    prompts stays while any of them is kept, and no kept file is unreachable
-    because an earlier chunk of its prefix was evicted.
+Design principles:
+    - One order, no links. A hit needs every earlier chunk of its prompt, so
+      a prefix must lose its tail before its head. A request first seen at
+      time T gives its key ending at token p the order time T - 2p (a
+      sliding-window or mamba key: that of the full-attention chunk covering
+      it, minus one); a chunk keeps the newest order time any request gave
+      it, and a store raises its request's earlier chunks to the request's
+      times. Evicting the oldest chunk first, every group's file of it at
+      once, loses tails before heads, as vLLM's free-block queue does.
+    - The order lives with the files. A chunk's order time is its files'
+      mtime (set by the budget thread once they are written), so a restart
+      reads it back with the directory listing: no journal, no state shared
+      between engines but the files.
+    - The scheduler thread only posts. Its calls append events and read the
+      chunks being removed: no filesystem call, no wait on eviction.
 
-Where the order comes from:
-    Store jobs carry their keys as a set (no position). The connector touches
-    each request's keys in prompt order (one list per KV cache group, the
-    live list for full-attention groups) before it stores them, and the
-    tiering manager passes those lists to the tier's touch(): the tier keeps
-    a reference per request and group (O(1) per touch; MAX_TRACKED_KEYS
-    keys at most), and a store finds a key's parent as the key before it in
-    that list, scanning back from its end a bounded distance (a store's keys
-    are its request's newest): O(1) per stored key. A key without such a
-    list (a caller that never touches) is a root. A full-attention key whose
-    predecessor's file of its group is on no disk (evicted, being removed,
-    or its store failed) could never hit from there: it is not written, nor
-    are its chunk's files of the other groups. A sliding-window or mamba
-    file hits only with the full-attention chunks up to its end: it is
-    written only if its covering chunk (the first chunk of the
-    full-attention list at or after it, found by the chunk ids the lists
-    share in that list's tail) has its full-attention file on disk or being
-    written, or has none yet (the prompt may still grow). So no store job,
-    even one of sliding-window keys alone, writes a file past a gap.
-
-Where the work runs:
-    The scheduler thread only posts events (a touch, a lookup() hit, a
-    store or load job, its end, the end of an engine step) to a queue: O(1)
-    per call, no lock, no filesystem call. The events are applied in order,
-    under one lock, by the first task of each store job to run (its
-    admission needs every event posted before it; a store never waits on
-    the budget thread), and by the budget thread (at least once per
-    JOURNAL_INTERVAL_S). Once the files and the stores in flight pass
-    HIGH_WATER percent of max_bytes, the budget thread evicts ahead down
-    to LOW_WATER percent (never below), so a store rarely evicts and its
-    tasks rarely remove files before writing. The budget thread only marks
-    those chunks evicted; their files are removed by removal tasks it hands
-    to the tier's I/O threads (a few files each, between the jobs' tasks):
-    an unlink is a syscall and a GIL hand-off, and one thread unlinking
-    alone beside the I/O threads gets one turn in as many, so it fell
-    behind the writes at a full budget and the stores took its removals
-    over; spread over the I/O threads, removals keep pace with the writes.
+Threads and what they own:
+    - _events (a deque: append and popleft are thread-safe) is written by the
+      scheduler thread and applied in order, under _lock, by the I/O threads
+      (a store's admission needs every event posted before it) and by the
+      budget thread.
+    - _lock guards the index and the counters; it is never held across a
+      filesystem call.
+    - _removing_lock guards _removing, which lookup() reads on the scheduler
+      thread: held for a few set operations at a time.
+    - _recalled is the scheduler thread's own.
 
 Invariants:
+    - Prefix order: for every prompt, a chunk's order time is at least that
+      of any later chunk of it. No store writes a key whose predecessor (or
+      covering full-attention chunk) is on no disk, so no kept file is past
+      a gap.
     - used + unlinking = the bytes of the indexed files, of the stores in
-      flight and of the files evicted ahead not removed yet; a store
-      reserves its bytes (evicting first, taking over the budget thread's
-      removals not started yet) before its files are written, and each of
-      its tasks removes its share of the files it evicted before it writes,
-      so the tier's files never exceed max_bytes by more than the writes of
-      one store job. A store that does not fit once everything evictable
-      is gone fails for the keys that do not (the chunks farthest from the
-      prompt's start first).
-    - A chunk with a store or load in flight, or reported present by
-      lookup() in an engine step whose end is not applied yet (a promotion
-      the tiering manager submits at the end of that step), is pinned:
-      never evicted under the transfer. Events apply in the scheduler's
-      order, so a store submitted in the step of a hit sees its pin; a
-      lookup() racing with an eviction either keeps its chunk (the hit is
-      read after the victims are marked) or answers a miss (the chunk
-      stays removing until the step after its files are gone).
-    - Start-up indexing, the journal, eviction ahead and removals (and
-      their paths) run on other threads; a removal that fails (not a file
-      already gone) is counted in the tier's rate-limited failure report.
-      A store refused for want of room is the budget working, not the
-      disk failing: rejections have their own rate-limited warning.
-    - The index is flat: a chunk is one int in a dict (flags, pins, kept
-      children, group bitmask) and, when linked, one entry in a dict of
-      parents; no Python object per chunk for the garbage collector, so a
-      million indexed chunks add no collection pauses.
+      flight and of the files evicted ahead not removed yet. A store
+      reserves its bytes (evicting first) before its files are written, and
+      its task removes what it evicted before it writes: the files never
+      exceed max_bytes by more than one store job's writes. A key is refused
+      when only chunks newer than it (or pinned) could make room.
+    - Pins as eviction protection: a chunk with a transfer in flight, or that
+      lookup() reported present in an engine step not ended yet, is never
+      evicted. Each pin is dropped by the job or step that took it.
+    - An evicted chunk stays in _removing until its files are gone and the
+      scheduler thread took its keys (lookup()'s cached verdicts become
+      misses); meanwhile lookup() answers a miss and no store writes it.
+    - Bounded: the index by max_bytes (one entry per chunk on disk), the
+      requests' positions by MAX_TRACKED_KEYS, the events by MAX_EVENTS (the
+      budget thread is woken to apply them), the reports by
+      REPORT_INTERVAL_S.
 
-Restart:
-    The parent of each stored chunk is appended to a small per-rank journal
-    (``budget.journal`` in the tier's rank directory; compacted when it holds
-    twice as many records as the index has chunks). At start a background
-    thread lists the rank directory, links the chunks with the journal's
-    parents, orders the leaves by file time, inserts them (older than
-    anything stored since start) in batches of a few ms under the lock,
-    pausing between them, and trims to the budget after each; the engine
-    serves meanwhile (files not indexed yet are not counted until their
-    batch; a chunk stored meanwhile whose parent is such a file is linked
-    to it). Files written without a budget have no journal:
-    their order is file time only, so the first trim may cut a prefix.
-
-Shared roots:
-    Each engine indexes the files it stored or found at its start and evicts
-    only those, within its own budget: engines sharing a root hold at most the
-    sum of their budgets (a file indexed by two engines counts in both). A
-    file another engine removed is a miss (lookup() checks the file).
+Shared roots: each engine indexes the files it stored or found at its start,
+within its own budget; a file another engine removed is a miss (lookup()
+checks the file).
 """
 
-import itertools
+import contextlib
+import heapq
 import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
-
-import numpy as np
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.tiering.fs.io import (
-    O_NOFOLLOW,
-    PRIVATE_MODES,
-    FileModes,
-    make_dirs,
-    write_file_atomically,
-)
 
 logger = init_logger(__name__)
 
-JOURNAL_NAME = "budget.journal"
-# Keys of the most recently touched requests' lists kept for finding parents
-# (about 70 MiB of keys; the least recently touched requests go first).
-MAX_TRACKED_KEYS = 1 << 20
-# How far back from the end of a request's key list a store looks for its
-# keys, beyond their number (keys appended since the store was built, or
-# skipped: sliding-window blocks outside the window).
-MAX_ORDER_SLACK = 32
-# The journal is appended at most once per interval, or when this many links
-# are waiting (a wake-up costs the scheduler thread a GIL hand-off).
-JOURNAL_INTERVAL_S = 1.0
-JOURNAL_BATCH = 16384
-# Recovered chunks inserted per lock hold by the start-up scan (a few ms),
-# and the pause after each: a lock released and taken again at once starves
-# the scheduler thread waiting for it.
-SCAN_BATCH = 1024
-SCAN_PAUSE_S = 0.001
-# The budget's report (used bytes, evictions, rejections): at most one line
-# per interval, and only when something changed. Stores refused for want of
-# room: a warning at once, then at most one per interval, with the counts.
-REPORT_INTERVAL_S = 30.0
 # Evicting ahead: once the files and the stores in flight pass HIGH_WATER
-# percent of max_bytes, the budget thread evicts down to LOW_WATER percent
-# (never below) and removes the files, so that a store rarely evicts and its
-# tasks rarely remove files before they write.
+# percent of max_bytes, the budget thread evicts down to LOW_WATER percent,
+# so that a store rarely evicts and its task rarely removes files first.
 HIGH_WATER = 95
 LOW_WATER = 90
-# Files evicted ahead that one removal task on an I/O thread removes: a few,
-# so that the removals of one eviction spread over the I/O threads.
-AHEAD_REMOVALS_PER_TASK = 4
-# Events the scheduler thread posts before it wakes the budget thread to
-# apply them (the I/O threads apply them with each store job, the budget
-# thread at least once per JOURNAL_INTERVAL_S).
+# Positions of the most recently seen requests' keys kept for the order
+# (about 100 MiB; the least recently seen requests go first).
+MAX_TRACKED_KEYS = 1 << 20
+# Requests whose last copy of positions the scheduler thread remembers.
+MAX_RECALLED_REQUESTS = 1 << 16
+# Events posted before the scheduler thread wakes the budget thread.
 MAX_EVENTS = 65536
-# The events
-_HIT, _TOUCH, _ADMIT, _STEP, _FINISH, _LOAD = range(6)
+# The budget thread's period: events applied, eviction ahead, file times.
+BUDGET_INTERVAL_S = 0.05
+# The budget's report and the rejection warning: at most one line each per
+# interval, and only when something changed.
+REPORT_INTERVAL_S = 30.0
+# Chunks of earlier runs indexed per lock hold at start (a few ms), and the
+# pause after each, so the scheduler thread's posts are applied meanwhile.
+SCAN_BATCH = 1024
+SCAN_PAUSE_S = 0.001
+# An evicted chunk leaves _removing once both happened.
+_KEYS_TAKEN, _FILES_GONE = 1, 2
+_HIT, _RECALL, _FORGET, _ADMIT, _STEP, _FINISH, _LOAD = range(7)
 
-
-# A chunk's state in the index is one int, so that the index holds no Python
-# object per chunk for the garbage collector to track (a million chunks are
-# one dict of bytes -> int): flags, pins, kept children, and from bit GROUPS
-# the bitmask of the KV cache groups it has files of.
-RECOVERED = 1  # found by the start-up scan
-PIN = 1 << 1  # a transfer (or a lookup() hit) needs its files
-PINS = ((1 << 24) - 1) << 1
-CHILD = 1 << 25  # an indexed chunk whose parent it is
-CHILDREN = ((1 << 31) - 1) << 25
-GROUPS = 56
-
-# Evicted chunks: (chunk id, group bitmask of their files), for the I/O
-# threads to turn into paths and remove.
+# Evicted chunks: (chunk id, group bitmask of their files).
 Evicted = list[tuple[bytes, int]]
-# What finish_job() needs of a job: the chunks it pinned, and for a store the
-# group bitmask of the files it adds, per chunk (None for a load).
-JobTicket = tuple[list[bytes], dict[bytes, int] | None]
 
 
 class BudgetRejection(OSError):
-    """A store task refused by the budget (no room: every indexed file is
-    in use by a transfer): its key fails, but the disk did not (reported as
-    a rejection, not as a failed write)."""
+    """A store job the budget refused keys of (no room: every indexed file
+    is in use by a transfer): the job fails, but the disk did not (reported
+    by the budget's rejection warning, not as a failed write), and the keys
+    it wrote are stored."""
 
 
 class Admission:
     """A store or load job's share of the budget: posted by the scheduler
-    thread, decided when its event is applied (see FsTierBudget._drain())."""
+    thread, decided when its event is applied (see FsTierBudget._apply())."""
 
-    __slots__ = ("keys", "req_id", "result", "ticket", "tasks_run")
+    __slots__ = ("keys", "positions", "req_id", "pinned", "added", "result")
 
-    def __init__(self, keys: Collection[OffloadKey], req_id: str | None) -> None:
+    def __init__(
+        self,
+        keys: Collection[OffloadKey],
+        req_id: str | None = None,
+        positions: list[int | None] | None = None,
+    ) -> None:
         self.keys = keys
         self.req_id = req_id
-        # a store's tasks (one per key) count themselves: its last task
-        # removes the evicted files the others left (next() is atomic)
-        self.tasks_run = itertools.count()
-        # a store's: the keys that do not fit, the keys not worth writing,
-        # the evicted chunks whose files its tasks remove before they write
-        self.result: (
-            tuple[set[OffloadKey], set[OffloadKey], deque[tuple[bytes, int]]] | None
-        ) = None
-        self.ticket: JobTicket | None = None
+        self.positions = positions  # a store's: each key's end-token position
+        self.pinned: list[bytes] = []
+        # a store's files not on disk before it: chunk id -> group bitmask
+        self.added: dict[bytes, int] = {}
+        # a store's: the keys that do not fit, the keys past a gap (not worth
+        # writing), the evicted chunks whose files its task removes first
+        self.result: tuple[set[OffloadKey], set[OffloadKey], Evicted] | None = None
+
+
+class _Request:
+    """What the budget knows of a request: when it was first seen and its
+    keys by (end-token position, group suffix); the keys lookup() found on
+    disk for it (another engine's, or not indexed yet)."""
+
+    __slots__ = ("time", "keys", "found")
+
+    def __init__(self) -> None:
+        self.time = time.time_ns()
+        self.keys: dict[tuple[int, bytes], OffloadKey] = {}
+        self.found: set[OffloadKey] = set()
 
 
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
@@ -226,31 +162,18 @@ def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int
     return max_bytes
 
 
-def _group_indices(groups: int) -> list[int]:
-    """The group indices of a group bitmask."""
-    return [g for g in range(groups.bit_length()) if groups >> g & 1]
+def _bit(key: OffloadKey) -> int:
+    """The key's group's bit in a group bitmask."""
+    return 1 << int.from_bytes(key[-4:], "big")
 
 
-def _by_position(positions: dict[bytes, int]) -> Callable[[bytes], int]:
-    return lambda h: positions.get(h, -1)
-
-
-def _drop_bits(new: dict[bytes, int], drop: dict[bytes, int]) -> None:
-    """Take a store's files not to write (chunk -> group bitmask) out of its
-    new files."""
-    for h, bits in drop.items():
-        rest = new.get(h, 0) & ~bits
-        if rest:
-            new[h] = rest
-        else:
-            new.pop(h, None)
+def _groups_of(bits: int) -> list[int]:
+    return [g for g in range(bits.bit_length()) if bits >> g & 1]
 
 
 class FsTierBudget:
-    """The index, the eviction order and the start-up scan of a budgeted
-    fs_python tier (see the module docstring). The scheduler thread only
-    posts events; the I/O threads and the budget thread apply them in order
-    under one lock."""
+    """The index, the eviction order and the start-up scan of a budgeted fs
+    tier (see the module docstring)."""
 
     def __init__(
         self,
@@ -260,712 +183,642 @@ class FsTierBudget:
         key_path: Callable[[OffloadKey], str],
         chunk_path: Callable[[bytes, int], str],
         label: str,
+        chunk_tokens: dict[int, int],
         prefix_groups: Collection[int] | None = None,
         chunk_id: Callable[[bytes], bytes] | None = None,
-        modes: FileModes = PRIVATE_MODES,
         on_removal_errors: Callable[[int, str], None] | None = None,
-        run_removals: Callable[[list[Callable[[], None]]], None] | None = None,
     ) -> None:
-        """file_sizes: the bytes of a block file of each KV cache group (a
-        chunk's bytes: the sum over the groups it has files of).
-
-        prefix_groups: the KV cache groups a hit needs every earlier
-        chunk of (full attention); None: every group. A key of such a group
-        whose predecessor is on no disk is not written.
-
-        Chunks are indexed by the stem of their file names, what the
-        start-up scan reads back: chunk_id maps a block hash to it (a keyed
-        namespace's keyed hash; None: the block hash itself), and
-        chunk_path maps it and a group index to the file's path. modes: the
-        tier's file modes, which the journal gets too (it names the chunks
-        on disk). on_removal_errors(count, last error): evicted files that
-        could not be removed (the tier's rate-limited failure report).
-        run_removals(tasks): runs the removal tasks of the files evicted
-        ahead on the tier's I/O threads; None: the budget thread removes
-        them itself."""
+        """file_sizes: the bytes of a block file of each KV cache group.
+        chunk_tokens: the tokens of one chunk of each KV cache group.
+        prefix_groups: the groups a hit needs every earlier chunk of (full
+        attention; None: every group). Chunks are indexed by the stem of
+        their file names: chunk_id maps a block hash to it (a keyed
+        namespace's; None: the hash itself), chunk_path maps it and a group
+        index to the file, key_path a key to its file.
+        on_removal_errors(count, last error): evicted files that could not
+        be removed (the tier's rate-limited failure report)."""
         self.max_bytes = max_bytes
-        self.file_sizes = list(file_sizes)
-        # the size of every group's files where they are all one size
-        self._uniform_size = (
-            self.file_sizes[0] if len(set(self.file_sizes)) == 1 else None
-        )
-        self.used = 0
-        # evicted ahead, files not removed yet (counted against max_bytes)
-        self.unlinking = 0
-        self._high_water = max_bytes * HIGH_WATER // 100
-        self._low_water = max_bytes * LOW_WATER // 100
-        self._on_removal_errors = on_removal_errors
-        self._run_removals = run_removals
-        # removal tasks handed to run_removals and not started yet
-        self._removal_tasks = 0
+        self._sizes = list(file_sizes)  # a file's bytes, by group index
         self._rank_dir = rank_dir
         self._key_path = key_path
         self._chunk_path = chunk_path
         self._chunk_id = chunk_id
-        self._modes = modes
         self._label = label
-        self._prefix_groups: frozenset[bytes] | None = (
-            None
-            if prefix_groups is None
-            else frozenset(g.to_bytes(4, "big") for g in prefix_groups)
-        )
-        self._lock = threading.Lock()
-        # chunk id -> state (RECOVERED, PINS, CHILDREN, GROUPS above)
-        self._chunks: dict[bytes, int] = {}
-        # chunk id -> the indexed chunk before it in its prompt
-        self._parent: dict[bytes, bytes] = {}
-        # evictable chunks, least recent first: files on disk, no kept
-        # child. Pinning only counts (a pinned chunk may stay listed:
-        # eviction drops it from the list, and its last unpin lists it again).
-        self._leaves: OrderedDict[bytes, None] = OrderedDict()
-        # a key's 4-byte group suffix -> its bit in a group bitmask
-        self._group_bits: dict[bytes, int] = {}
-        # what the scheduler thread posts (touches, hits, jobs, steps),
-        # applied in order by _drain(); the keys of its hits not drained yet
-        self._events: deque[tuple] = deque()
-        self._pending_hits: deque[OffloadKey] = deque()
-        # engine steps (get_finished() calls) so far, and the chunks that
-        # lookup() hits pinned in the current one
-        self._step = 0
-        self._step_pins: list[bytes] = []
-        # req_id -> {group suffix: the request's keys of it, in prompt order}
-        self._orders: OrderedDict[str, dict[bytes, list]] = OrderedDict()
-        # req_id -> {group suffix: the length its list had when counted};
-        # the connector appends to a live list between touches
-        self._order_lens: dict[str, dict[bytes, int]] = {}
-        self._order_keys = 0  # their keys, when last touched
-        # evicted chunks whose files are being removed, or were removed
-        # during the current engine step (step, chunk); chunks evicted ahead
-        # whose files the budget thread has not started removing
-        self._removing: set[bytes] = set()
-        self._unlinked: deque[tuple[int, bytes]] = deque()
-        self._to_unlink: deque[tuple[bytes, int]] = deque()
-        self.removal_errors = 0
-        # the start-up scan's chunks not inserted yet (chunk id -> state);
-        # None once the scan is done
-        self._recovering: dict[bytes, int] | None = None
-        # counters: since start, and since the last report
-        self.evicted_files = 0
-        self.rejected_files = 0
-        self.unreachable_files = 0  # not written: their prefix is not on disk
-        self._reported = (0, 0, 0)
-        self._next_report = time.monotonic() + REPORT_INTERVAL_S
-        # rejections: (files, jobs) at the last warning, and when the next
-        # one is due (the first is at once)
-        self.rejected_jobs = 0
-        self._warned_rejections = (0, 0)
-        self._next_rejection_warning = 0.0
-        # the warning is called from the scheduler thread and I/O threads
-        self._rejection_warning = threading.Lock()
+        self._on_removal_errors = on_removal_errors
+        self._chunk_tokens = {g.to_bytes(4, "big"): t for g, t in chunk_tokens.items()}
+        prefix = set(chunk_tokens) if prefix_groups is None else set(prefix_groups)
+        self._prefix = {g.to_bytes(4, "big") for g in prefix}
+        # the full-attention group whose chunks cover the other groups' files
+        cover = min(prefix, key=lambda g: chunk_tokens.get(g, 1 << 30), default=0)
+        self._cover_group = cover.to_bytes(4, "big")
+        self._cover_tokens = chunk_tokens.get(cover, 1)
 
-        # the start-up scan, eviction ahead and its removals, and the
-        # journal's records run on this thread
-        self._journal_path = os.path.join(rank_dir, JOURNAL_NAME)
-        # (chunk, parent) links not written yet; the thread writes them at
-        # most once per JOURNAL_INTERVAL_S (or at once past JOURNAL_BATCH)
-        self._journal_q: deque[tuple[bytes, bytes]] = deque()
-        self._journal_records = 0
-        self._wake = threading.Condition(threading.Lock())
-        self._kicked = False
+        self._lock = threading.Lock()
+        # the index: chunk id -> (order time, group bitmask of its files on
+        # disk or being written); a heap of (order time, chunk id), with
+        # stale entries skipped; the pins; the block hash of keyed chunks
+        self._chunks: dict[bytes, tuple[int, int]] = {}
+        self._heap: list[tuple[int, bytes]] = []
+        self._pins: dict[bytes, int] = {}
+        self._hash_of: dict[bytes, bytes] = {}
+        self._step_pins: list[bytes] = []
+        self._requests: OrderedDict[str, _Request] = OrderedDict()
+        self._tracked = 0  # keys in _requests
+        self._events: deque[tuple] = deque()
+        # chunks whose order time is not on their files yet
+        self._dirty: set[bytes] = set()
+        # the scheduler thread's: req_id -> recorded positions last copied
+        self._recalled: dict[str, int] = {}
+        self._removing_lock = threading.Lock()
+        self._removing: dict[bytes, int] = {}  # chunk id -> _KEYS_TAKEN | ...
+        self._evicted_keys: deque[tuple[bytes, list[OffloadKey]]] = deque()
+        self.used = 0
+        self.unlinking = 0  # evicted ahead, files not removed yet
+        self.evicted_files = self.rejected_files = self.rejected_jobs = 0
+        self.unreachable_files = 0  # not written: past a gap
+        self.removal_errors = 0
+        self._reported = (0, 0, 0)
+        self._warned = (0, 0)
+        self._next_report = self._next_warning = 0.0
+        self._warning_lock = threading.Lock()
+
+        self._wake = threading.Event()
         self._stop = False
         self.scan_done = threading.Event()
-        self.scan_stats: tuple[int, int, int, float] | None = None
         self._thread = threading.Thread(
             target=self._run, name="vllm_kv_py_fs_budget", daemon=True
         )
         self._thread.start()
 
-    # ---- scheduler thread: O(1) per call, never the lock ------------------
+    # ---- scheduler thread: O(1) per key, no filesystem call ---------------
 
-    def note_order(self, req_id: str, keys: Collection[OffloadKey]) -> None:
-        """touch(): keep the request's keys of one group, in prompt order."""
-        if keys and isinstance(keys, list):
-            self._events.append((_TOUCH, req_id, keys))
-
-    def on_hit(self, key: OffloadKey) -> None:
+    def on_hit(
+        self, key: OffloadKey, req_id: str, positions: Mapping[OffloadKey, int]
+    ) -> None:
         """lookup() found the key's file: pinned until the end of the step
-        (by then its promotion, if any, is pinned). Posted before lookup()
-        checks is_removing(): an eviction marks its victims removing before
-        it reads the hits not drained yet, so a lookup() racing with it
-        either keeps the chunk or answers a miss."""
-        self._pending_hits.append(key)
-        self._events.append((_HIT, key))
+        (by then its promotion is pinned). Posted before lookup() checks
+        is_removing(): an eviction marks its victims removing before it
+        applies the hits posted after, so a racing lookup() keeps the chunk
+        or answers a miss."""
+        self._recall(req_id, positions)
+        self._events.append((_HIT, key, req_id, positions.get(key)))
 
-    def admit_store(self, keys: Collection[OffloadKey], req_id: str) -> "Admission":
-        """A store job's admission: decided, in order with the other events,
-        by the first of its tasks to run (see admitted())."""
-        job = Admission(keys, req_id)
+    def forget_request(self, req_id: str) -> None:
+        """The request finished: no store of it follows."""
+        self._recalled.pop(req_id, None)
+        self._events.append((_FORGET, req_id))
+
+    def admit_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_id: str,
+        positions: Mapping[OffloadKey, int],
+    ) -> Admission:
+        """A store job's admission, decided by its task (see admitted()).
+        positions: every key of the request the scheduler recorded an
+        end-token position of, read here only; copied whole when it doubled
+        since the last copy (a prefix another tier served is in no event of
+        this tier): amortized O(1) per key."""
+        job = Admission(keys, req_id, [positions.get(k) for k in keys])
+        self._recall(req_id, positions)
         self._events.append((_ADMIT, job))
         return job
 
-    def pin_load(self, keys: Collection[OffloadKey]) -> "Admission":
+    def _recall(self, req_id: str, positions: Mapping[OffloadKey, int]) -> None:
+        """Post a copy of the request's recorded positions when they doubled
+        since the last copy: amortized O(1) per key."""
+        if positions and len(positions) >= 2 * self._recalled.get(req_id, 0):
+            if len(self._recalled) >= MAX_RECALLED_REQUESTS:
+                self._recalled.clear()  # bounded; a request copied again is correct
+            self._recalled[req_id] = len(positions)
+            self._events.append((_RECALL, req_id, dict(positions)))
+
+    def pin_load(self, keys: Collection[OffloadKey]) -> Admission:
         """A load job's chunks, pinned until finish_job()."""
-        job = Admission(keys, None)
+        job = Admission(keys)
         self._events.append((_LOAD, job))
         return job
 
-    def finish_job(self, job: "Admission", failed: Iterable[OffloadKey]) -> None:
-        """A store or load job finished: forget the files of its failed keys
-        (a failed store did not write its new files, a failed load removed
-        its file) and unpin its chunks."""
-        self._events.append((_FINISH, job, failed))
+    def finish_job(self, job: Admission, failed: Iterable[OffloadKey]) -> None:
+        """A job finished: forget the files its failed keys left missing
+        (files it added, or that a failed load removed); unpin its chunks."""
+        self._events.append((_FINISH, job, list(failed)))
 
     def end_step(self) -> None:
-        """get_finished(): release lookup()'s pins of the step; wake the
-        budget thread when events or journal records pile up."""
-        self._step += 1
-        events = self._events
-        events.append((_STEP,))
-        if len(events) > MAX_EVENTS or len(self._journal_q) > JOURNAL_BATCH:
-            self._kick()
-        now = time.monotonic()
-        if now >= self._next_report:
-            self._report()
-        if now >= self._next_rejection_warning:
-            self._warn_rejections()
+        """on_schedule_end(): lookup()'s pins of the step are dropped (its
+        promotions are pinned by now)."""
+        self._events.append((_STEP,))
+        if len(self._events) > MAX_EVENTS:
+            self._wake.set()
+
+    def take_evicted_keys(self) -> list[list[OffloadKey]]:
+        """The keys of the chunks evicted since the last call, one list per
+        chunk (for a keyed namespace, those of keys stored or found since
+        start): lookup()'s cached verdicts of them become misses."""
+        taken: list[bytes] = []
+        out: list[list[OffloadKey]] = []
+        while self._evicted_keys:
+            h, keys = self._evicted_keys.popleft()
+            taken.append(h)
+            if keys:
+                out.append(keys)
+        if taken:
+            with self._removing_lock:
+                for h in taken:
+                    self._settle(h, _KEYS_TAKEN)
+        return out
+
+    def is_removing(self, key: OffloadKey) -> bool:
+        """lookup(): the key's chunk was evicted and is not gone yet (a miss:
+        its load would fail)."""
+        with self._removing_lock:
+            return bool(self._removing) and self._cid(key[:-4]) in self._removing
 
     def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
+        self._stop = True
+        self._wake.set()
         self._thread.join()
         with self._lock:
-            self._drain()
+            self._apply()
+        self._persist_times()
         self._report(force=True)
         self._warn_rejections()
 
-    # ---- I/O threads --------------------------------------------------------
+    # ---- I/O threads ------------------------------------------------------
 
     def admitted(
-        self, job: "Admission"
-    ) -> tuple[set[OffloadKey], set[OffloadKey], deque[tuple[bytes, int]]]:
-        """A store task's first step: its job's admission (the keys that do
-        not fit, the keys not worth writing, the evicted chunks whose files
-        its tasks remove before their writes, see _admit()). The thread that
-        gets the lock first applies the events posted before it (not those
-        after: their jobs' tasks do): a store never waits on the budget
-        thread, only on a bounded drain."""
-        if job.result is None:
-            with self._lock:
-                self._drain(job)
-            if self.used > self._high_water:
-                self._kick()  # evict ahead, off the write path
-            rejected = job.result is not None and job.result[0]
-            if rejected and time.monotonic() >= self._next_rejection_warning:
-                self._warn_rejections()
-        assert job.result is not None
-        return job.result
+        self, job: Admission
+    ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted]:
+        """A store task's first step: its job's admission (see _admit()):
+        the keys refused, the keys past a gap, and the evicted chunks whose
+        files the caller removes before it writes (handed to the job's first
+        task only). The thread that gets the lock applies the events posted
+        before the job: a store never waits on the budget thread."""
+        with self._lock:
+            if job.result is None:
+                self._apply(job)
+            assert job.result is not None  # _apply(job) admits it
+            rejected, unreachable, evicted = job.result
+            job.result = (rejected, unreachable, [])
+        if self.used > self.max_bytes * HIGH_WATER // 100:
+            self._wake.set()  # evict ahead, off the write path
+        if rejected and time.monotonic() >= self._next_warning:
+            self._warn_rejections()
+        return rejected, unreachable, evicted
 
     def remove_evicted(self, evicted: Evicted) -> None:
-        """Remove evicted chunks' files (a task for the tier's I/O threads)."""
-        self._remove_files(self._paths(evicted))
-        self._removed(evicted)
+        """Remove evicted chunks' files (a store's task, before it writes)."""
+        self._remove(evicted)
 
-    def is_removing(self, key: OffloadKey) -> bool:
-        """lookup(): the key's chunk was evicted and its files are being
-        removed, or were removed during this engine step (a miss: its load
-        would fail)."""
-        return bool(self._removing) and self._cid(key[:-4]) in self._removing
+    def _remove(self, evicted: Evicted) -> None:
+        errors, error = 0, ""
+        for h, groups in evicted:
+            for g in _groups_of(groups):
+                try:
+                    os.remove(self._chunk_path(h, g))
+                except FileNotFoundError:
+                    pass  # another engine removed it, or it was never written
+                except OSError as e:
+                    errors, error = errors + 1, str(e)
+        with self._lock:
+            self.removal_errors += errors
+        with self._removing_lock:
+            for h, _ in evicted:
+                self._settle(h, _FILES_GONE)
+        if errors and self._on_removal_errors is not None:
+            self._on_removal_errors(errors, error)
 
-    def _removed(self, evicted: Evicted) -> None:
-        # no longer a miss from the next engine step on: a lookup() that
-        # found the file before its removal checks is_removing() after
-        step = self._step
-        self._unlinked.extend((step, h) for h, _ in evicted)
+    # ---- the events, in order (under _lock) -------------------------------
 
-    # ---- the events, in order (under self._lock) ---------------------------
-
-    def _drain(self, until: Admission | None = None) -> None:
+    def _apply(self, until: Admission | None = None) -> None:
         """Apply the events posted so far, or up to until's admission."""
         events = self._events
         while events and (until is None or until.result is None):
             event = events.popleft()
             kind = event[0]
             if kind == _HIT:
-                self._pending_hits.popleft()
-                h = self._cid(event[1][:-4])
-                state = self._chunks.get(h)
-                if state is not None:
-                    self._chunks[h] = state + PIN
-                    self._step_pins.append(h)
-            elif kind == _TOUCH:
-                self._note_order(event[1], event[2])
+                self._hit(*event[1:])
+            elif kind == _RECALL:
+                req = self._request(event[1])
+                for key, position in event[2].items():
+                    self._note(req, key, position)
             elif kind == _ADMIT:
                 self._admit(event[1])
             elif kind == _STEP:
                 for h in self._step_pins:
                     self._unpin(h)
                 self._step_pins.clear()
-                self._forget_removed()
             elif kind == _FINISH:
                 self._finish(event[1], event[2])
+            elif kind == _FORGET:
+                req = self._requests.pop(event[1], None)
+                if req is not None:
+                    self._tracked -= len(req.keys) + len(req.found)
             else:
                 job = event[1]
-                job.ticket = (self._pin(job.keys), None)
+                for h in {self._cid(k[:-4]) for k in job.keys}:
+                    self._pin_chunk(job, h)
 
-    def _forget_removed(self) -> None:
-        """Chunks whose files were removed before this engine step: no longer
-        reported removing (lookup() misses their files)."""
-        unlinked, step = self._unlinked, self._step
-        while unlinked and unlinked[0][0] < step:
-            self._removing.discard(unlinked.popleft()[1])
-
-    def _note_order(self, req_id: str, keys: list) -> None:
-        orders = self._orders.get(req_id)
-        if orders is None:
-            orders = self._orders[req_id] = {}
-            lens = self._order_lens[req_id] = {}
-        else:
-            self._orders.move_to_end(req_id)
-            lens = self._order_lens[req_id]
-        last = keys[-1]
-        g = last[-4:]
-        orders[g] = keys
-        # counted by length, not by list: the same list may have grown
-        self._order_keys += len(keys) - lens.get(g, 0)
-        lens[g] = len(keys)
-        while self._order_keys > MAX_TRACKED_KEYS and len(self._orders) > 1:
-            dropped, _ = self._orders.popitem(last=False)
-            self._order_keys -= sum(self._order_lens.pop(dropped).values())
-        # the prompt is in use: its deepest chunk on disk is recent
-        h = self._cid(last[:-4])
-        if h in self._leaves:
-            self._leaves.move_to_end(h)
-
-    def _admit(self, admission: "Admission") -> None:
-        """Reserve room for a store job's new files, evicting first: sets
-        the job's result (the keys that do not fit, not to be written: the
-        chunks nearest the prompt's start are admitted first; the keys not
-        worth writing: the chunk before them in their prompt is not on
-        disk, so they could never hit from it; the evicted chunks, whose
-        files its tasks remove before their writes) and its ticket for
-        finish_job() (its pinned chunks and new files)."""
-        req_id = admission.req_id
-        keys = admission.keys
-        gbits = self._group_bits
-        # the job's chunks: chunk id -> group bitmask of its keys
-        job: dict[bytes, int] = {}
-        ids: dict[bytes, bytes] | None = None  # block hash -> chunk id
-        if self._chunk_id is None:
-            for k in keys:
-                g = k[-4:]
-                bit = gbits.get(g) or self._group_bit(g)
-                h = k[:-4]
-                job[h] = job.get(h, 0) | bit
-        else:
-            ids = {}
-            for k in keys:
-                g = k[-4:]
-                bit = gbits.get(g) or self._group_bit(g)
-                raw = k[:-4]
-                h = ids.get(raw)
-                if h is None:
-                    h = ids[raw] = self._chunk_id(raw)
-                job[h] = job.get(h, 0) | bit
-        chunks = self._chunks
-        pinned: list[bytes] = []
-        # chunk id -> group bitmask of the job's new files
-        new: dict[bytes, int] = {}
-        # evicted chunks whose files are not removed yet: not written
-        # now (the removal would delete the new files); a miss until
-        # stored again
-        removing: dict[bytes, int] = {}
-        for h, bits in job.items():
-            if h in self._removing:
-                removing[h] = bits
-                continue
-            state = chunks.get(h)
-            if state is None:
-                new[h] = bits
-                continue
-            chunks[h] = state + PIN
-            pinned.append(h)
-            missing = bits & ~(state >> GROUPS)
-            if missing:
-                new[h] = missing
-        parents, positions, orphans, covers = self._find_parents(new, ids, req_id)
-        unreachable: dict[bytes, int] = {}
-        going = self._removing
-        for h, _, prev in orphans:
-            # not indexed here: on disk only if another engine stored it
-            # (an evicted file still there is about to go); if not, no file
-            # of the chunk is worth writing (its other groups' files could
-            # only hit past the same gap)
-            if self._cid(prev[:-4]) in going or not os.path.exists(
-                self._key_path(prev)
-            ):
-                unreachable[h] = new[h]
-        if unreachable:
-            # and so are the chunks after them in the job
-            gone = set(unreachable)
-            for h in sorted(new, key=_by_position(positions)):
-                parent = parents.get(h)
-                if parent in gone and parent not in chunks:
-                    unreachable[h] = new[h]
-                    gone.add(h)
-            _drop_bits(new, unreachable)
-        if covers:
-            # sliding-window and mamba files: their covering full-attention
-            # chunk (in this job after the drops above, indexed: on disk or
-            # being written, or on disk from another engine) or nothing
-            dropped: dict[bytes, int] = {}
-            recovering = self._recovering
-            for h, bit, cover, cover_bit, cover_key in covers:
-                if not new.get(h, 0) & bit:
-                    continue
-                state = chunks.get(cover)
-                if state is None and recovering is not None:
-                    state = recovering.get(cover)
-                if cover not in going and (
-                    (new.get(cover, 0) | (state or 0) >> GROUPS) & cover_bit
-                    or os.path.exists(self._key_path(cover_key))
-                ):
-                    continue
-                dropped[h] = dropped.get(h, 0) | bit
-            if dropped:
-                _drop_bits(new, dropped)
-                for h, bits in dropped.items():
-                    unreachable[h] = unreachable.get(h, 0) | bits
-        if unreachable:
-            self.unreachable_files += sum(b.bit_count() for b in unreachable.values())
-        # indexed parents stay while their new children are written
-        for h in new:
-            parent = parents.get(h)
-            if parent is not None and parent not in new:
-                state = chunks.get(parent)
-                if state is not None:
-                    chunks[parent] = state + PIN
-                    pinned.append(parent)
-        size_of = self._bytes
-        nbytes = sum(size_of(b) for b in new.values())
-        evicted = self._evict(nbytes)
-        room = max(0, self.max_bytes - self.used - self.unlinking)
-        rejected: dict[bytes, int] = {}
-        if nbytes > room:
-            # keep the chunks nearest the start of their prompt
-            for h in sorted(new, key=_by_position(positions)):
-                n = size_of(new[h])
-                if n <= room:
-                    room -= n
-                else:
-                    room = -1
-                    rejected[h] = new.pop(h)
-                    nbytes -= n
-            self.rejected_files += sum(b.bit_count() for b in rejected.values())
-            self.rejected_jobs += 1
-        created: list[bytes] = []
-        for h, bits in new.items():
-            state = chunks.get(h)
-            if state is None:
-                state = PIN
-                pinned.append(h)
-                created.append(h)
-            chunks[h] = state | bits << GROUPS
-        self.used += nbytes
-        # link the new chunks to their parents (indexed, or new here)
-        if parents:
-            parent_of = self._parent
-            leaves = self._leaves
-            journal = self._journal_q
-            recovering = self._recovering
-            for h in created:
-                parent = parents.get(h)
-                if parent is not None:
-                    state = chunks.get(parent)
-                    if state is not None:
-                        parent_of[h] = parent
-                        chunks[parent] = state + CHILD
-                        if not state & CHILDREN:
-                            leaves.pop(parent, None)
-                        journal.append((h, parent))
-                    elif recovering is not None and parent in recovering:
-                        # found by the start-up scan, inserted later with
-                        # this child counted (not a leaf before it)
-                        parent_of[h] = parent
-                        recovering[parent] += CHILD
-                        journal.append((h, parent))
-        rejected_keys: set[OffloadKey] = set()
-        unreachable_keys: set[OffloadKey] = set()
-        unreachable.update(removing)
-        if rejected or unreachable:
-            for k in keys:
-                h = k[:-4] if ids is None else ids[k[:-4]]
-                bit = gbits[k[-4:]]
-                if rejected.get(h, 0) & bit:
-                    rejected_keys.add(k)
-                elif unreachable.get(h, 0) & bit:
-                    unreachable_keys.add(k)
-        admission.ticket = (pinned, new)
-        admission.result = (rejected_keys, unreachable_keys, deque(evicted))
-
-    def _pin(self, keys: Collection[OffloadKey]) -> list[bytes]:
-        pinned: list[bytes] = []
-        chunks = self._chunks
-        for h in {self._cid(k[:-4]) for k in keys}:
-            state = chunks.get(h)
-            if state is not None:
-                chunks[h] = state + PIN
-                pinned.append(h)
-        return pinned
-
-    def _finish(self, job: "Admission", failed: Iterable[OffloadKey]) -> None:
-        if job.ticket is None:
-            return  # never admitted (its tasks were dropped at shutdown)
-        pinned, new = job.ticket
-        chunks = self._chunks
-        for k in failed:
-            h = self._cid(k[:-4])
-            bit = self._group_bit(k[-4:])
-            if new is not None and not new.get(h, 0) & bit:
-                continue  # the file it failed to store over is still there
-            state = chunks.get(h)
-            if state is not None and state >> GROUPS & bit:
-                chunks[h] = state - (bit << GROUPS)
-                self.used -= self._bytes(bit)
-        for h in pinned:
-            self._unpin(h)
-
-    # ---- internals (under self._lock) --------------------------------------
+    def _bytes(self, groups: int) -> int:
+        """The bytes of a chunk's files of a group bitmask (a group past
+        file_sizes, which no config names: the largest file)."""
+        sizes = self._sizes
+        return sum(
+            sizes[g] if g < len(sizes) else max(sizes) for g in _groups_of(groups)
+        )
 
     def _cid(self, block_hash: bytes) -> bytes:
         """A block hash's chunk id: the stem of its files' names."""
-        chunk_id = self._chunk_id
-        return block_hash if chunk_id is None else chunk_id(block_hash)
+        return block_hash if self._chunk_id is None else self._chunk_id(block_hash)
 
-    def _bytes(self, groups: int) -> int:
-        """The bytes of a chunk's files of the groups in a group bitmask."""
-        if self._uniform_size is not None:
-            return groups.bit_count() * self._uniform_size
-        sizes = self.file_sizes
-        n = 0
-        while groups:
-            g = (groups & -groups).bit_length() - 1
-            # a file of a group the layout does not have: counted as the last
-            n += sizes[g] if g < len(sizes) else sizes[-1]
-            groups &= groups - 1
-        return n
+    def _request(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            req = self._requests[req_id] = _Request()
+        else:
+            self._requests.move_to_end(req_id)
+        return req
 
-    def _group_bit(self, suffix: bytes) -> int:
-        bit = self._group_bits.get(suffix)
-        if bit is None:
-            bit = self._group_bits[suffix] = 1 << int.from_bytes(suffix, "big")
-        return bit
+    def _note(self, req: _Request, key: OffloadKey, position: int | None) -> None:
+        if position is None or (position, key[-4:]) in req.keys:
+            return
+        req.keys[(position, key[-4:])] = key
+        self._tracked += 1
+        self._bound_requests()
 
-    def _find_parents(
-        self, new: dict[bytes, int], ids: dict[bytes, bytes] | None, req_id: str
-    ) -> tuple[
-        dict[bytes, bytes],
-        dict[bytes, int],
-        list[tuple[bytes, int, OffloadKey]],
-        list[tuple[bytes, int, bytes, int, OffloadKey]],
-    ]:
-        """Parents (indexed chunks, or new chunks of this job) and prompt
-        positions of the new chunks, from the request's touched lists; the
-        new full-attention files whose predecessor is neither (chunk, group
-        bit, the predecessor's key); and the new files of the other groups
-        with their covering chunk (chunk, group bit, covering chunk, its
-        full-attention group bit and key). A store's keys are the newest of
-        its request, so each list is scanned back from its end, at most a
-        bounded distance past the job's keys of its group: O(1) per key; a
-        chunk not found there has no parent (a root).
+    def _bound_requests(self) -> None:
+        while self._tracked > MAX_TRACKED_KEYS and len(self._requests) > 1:
+            dropped = self._requests.popitem(last=False)[1]
+            self._tracked -= len(dropped.keys) + len(dropped.found)
 
-        A sliding-window or mamba file can only hit with the full-attention
-        chunks up to its end: its covering chunk is the first chunk of the
-        full-attention list at or after it (the same chunk where the block
-        sizes are equal; the next one that ends a full-attention block where
-        they are larger). It is found by the chunk ids the two lists share,
-        within the full-attention list's tail; below that tail's first chunk
-        (or with no full-attention chunk after it yet: the prompt may grow)
-        a file has no covering chunk, and is written."""
-        parents: dict[bytes, bytes] = {}
-        positions: dict[bytes, int] = {}
-        orphans: list[tuple[bytes, int, OffloadKey]] = []
-        covers: list[tuple[bytes, int, bytes, int, OffloadKey]] = []
-        orders = self._orders.get(req_id)
-        if orders is None or not new:
-            return parents, positions, orphans, covers
-        chunks = self._chunks
-        recovering = self._recovering
-        prefix_groups = self._prefix_groups
-        cid = self._cid if ids is None else (lambda raw: ids.get(raw) or self._cid(raw))
-        # the full-attention list's tail: chunk id -> its key (one list: the
-        # first prefix group the request touched), and the tail's first chunk
-        tail: dict[bytes, OffloadKey] = {}
-        tail_first: bytes | None = None
-        cover_bit = 0
-        if prefix_groups is not None and not prefix_groups.issuperset(orders):
-            for g, order in orders.items():
-                if g not in prefix_groups or not order:
-                    continue
-                cover_bit = self._group_bit(g)
-                start = max(0, len(order) - len(new) - MAX_ORDER_SLACK)
-                tail_first = cid(order[start][:-4])
-                for k in order[start:]:
-                    tail[cid(k[:-4])] = k
-                break
-        # the finest group first: its predecessor is the closest (groups of
-        # larger blocks skip the chunks between theirs)
-        for g, order in sorted(orders.items(), key=lambda item: -len(item[1])):
-            bit = self._group_bits.get(g)
-            if bit is None:
+    def _order(self, req: _Request, key: OffloadKey, position: int | None) -> int:
+        """The order time the request gives its key."""
+        if position is None:  # no prefix order to keep: recency
+            return time.time_ns()
+        if key[-4:] in self._prefix:
+            return req.time - 2 * position
+        cover = -(-position // self._cover_tokens) * self._cover_tokens
+        return req.time - 2 * cover - 1
+
+    def _raise(self, h: bytes, t: int) -> bool:
+        """Raise a chunk's order time to t; whether it was older."""
+        chunk = self._chunks.get(h)
+        if chunk is None or chunk[0] >= t:
+            return False
+        self._chunks[h] = (t, chunk[1])
+        heapq.heappush(self._heap, (t, h))
+        self._dirty.add(h)
+        return True
+
+    def _hit(self, key: OffloadKey, req_id: str, position: int | None) -> None:
+        req = self._request(req_id)
+        self._note(req, key, position)
+        h = self._cid(key[:-4])
+        if h in self._chunks:
+            if self._chunk_id is not None:
+                self._hash_of.setdefault(h, key[:-4])
+            self._raise(h, self._order(req, key, position))
+            if position is not None:
+                self._raise_prefix(req, key, position)
+            self._pins[h] = self._pins.get(h, 0) + 1
+            self._step_pins.append(h)
+        elif key not in req.found:  # another engine's file, or not indexed yet
+            req.found.add(key)
+            self._tracked += 1
+            self._bound_requests()
+
+    def _raise_prefix(self, req: _Request, key: OffloadKey, position: int) -> None:
+        """Keep the request's chunks before the key at least as new as it:
+        its group's, and for a sliding-window or mamba key its covering
+        full-attention chunk and those before that (another tier may have
+        served them: this tier saw no hit or store of theirs)."""
+        self._raise_earlier(req, key, position)
+        if key[-4:] not in self._prefix:
+            before = self._needs(req, key, position)
+            if before is not None:
+                self._raise(self._cid(before[0][:-4]), self._order(req, *before))
+                self._raise_earlier(req, *before)
+
+    def _raise_earlier(self, req: _Request, key: OffloadKey, position: int) -> None:
+        """The request's earlier chunks of the key's group, back while they
+        are older than the request's times (amortized O(1) per key)."""
+        group = key[-4:]
+        step = self._chunk_tokens.get(group, 0)
+        p = position - step
+        while step and p > 0:
+            earlier = req.keys.get((p, group))
+            if earlier is None or not self._raise(
+                self._cid(earlier[:-4]), self._order(req, earlier, p)
+            ):
+                return
+            p -= step
+
+    def _admit(self, job: Admission) -> None:
+        """Reserve room for a store's new files, evicting older chunks first;
+        set its result (see Admission). Keys nearest the prompt's start go
+        first; a key is refused when only chunks newer than it (its own
+        prefix's among them) could make room for it."""
+        assert job.req_id is not None and job.positions is not None
+        req = self._request(job.req_id)
+        pairs = list(zip(job.keys, job.positions))
+        for key, position in pairs:
+            self._note(req, key, position)
+        # full-attention keys first, each in prompt order: a key is written
+        # only if what it needs is on disk or written before it
+        pairs.sort(key=lambda kp: (kp[0][-4:] not in self._prefix, kp[1] or 0))
+        with self._removing_lock:
+            removing = {self._cid(k[:-4]) for k, _ in pairs} & self._removing.keys()
+        coming: set[OffloadKey] = set()
+        rejected: set[OffloadKey] = set()
+        unreachable: set[OffloadKey] = set()
+        evicted: Evicted = []
+        for key, position in pairs:
+            h = self._cid(key[:-4])
+            before = self._needs(req, key, position)
+            if h in removing or (
+                before is not None
+                and before[0] not in coming
+                and not self._has_file(req, *before)
+            ):
+                unreachable.add(key)
                 continue
-            wanted = sum(1 for bits in new.values() if bits & bit)
-            # sliding-window and mamba groups skip chunks: no orphans there,
-            # but a covering full-attention chunk
-            needs_prefix = prefix_groups is None or g in prefix_groups
-            cover: bytes | None = None
-            i = len(order) - 1
-            stop = max(0, i - wanted - MAX_ORDER_SLACK)
-            while wanted and i >= stop:
-                h = order[i][:-4]
-                if ids is not None:
-                    # every chunk's id where covering chunks are looked for
-                    h = cid(h) if tail and not needs_prefix else ids.get(h)
-                if not needs_prefix and h in tail:
-                    cover = h
-                if h is not None and new.get(h, 0) & bit:
-                    wanted -= 1
-                    positions.setdefault(h, i)
-                    if not needs_prefix and cover is not None:
-                        covers.append((h, bit, cover, cover_bit, tail[cover]))
-                    if i:
-                        prev = order[i - 1][:-4]
-                        if ids is not None:
-                            prev = ids.get(prev) or self._cid(prev)
-                        state = chunks.get(prev)
-                        if state is None and recovering is not None:
-                            state = recovering.get(prev)
-                        if state is None and prev not in new:
-                            if needs_prefix:
-                                orphans.append((h, bit, order[i - 1]))
-                        else:
-                            parents.setdefault(h, prev)
-                            # its file of this group failed or was refused
-                            if (
-                                needs_prefix
-                                and not (new.get(prev, 0) | (state or 0) >> GROUPS)
-                                & bit
-                            ):
-                                orphans.append((h, bit, order[i - 1]))
-                if h == tail_first:
-                    cover = None  # below the tail: covering chunks unknown
-                i -= 1
-        return parents, positions, orphans, covers
+            if before is not None:  # kept while this key is written
+                self._pin_chunk(job, self._cid(before[0][:-4]))
+            t = self._order(req, key, position)
+            self._index(h, t, key)
+            self._pin_chunk(job, h)
+            if position is not None:  # before evicting: they are newer
+                self._raise_prefix(req, key, position)
+            bit = _bit(key)
+            if not self._chunks[h][1] & bit:
+                size = self._bytes(bit)
+                need = self.used + self.unlinking + size - self.max_bytes
+                if need > 0:
+                    evicted += self._evict(need, older_than=t)
+                if self.used + self.unlinking + size > self.max_bytes:
+                    rejected.add(key)
+                    continue
+                order, groups = self._chunks[h]
+                self._chunks[h] = (order, groups | bit)
+                job.added[h] = job.added.get(h, 0) | bit
+                self.used += size
+            coming.add(key)
+        self.unreachable_files += len(unreachable)
+        if rejected:
+            self.rejected_files += len(rejected)
+            self.rejected_jobs += 1
+        job.result = (rejected, unreachable, evicted)
+
+    def _index(self, h: bytes, t: int, key: OffloadKey) -> None:
+        """Index a chunk at order time t, or raise it to t."""
+        if h not in self._chunks:
+            self._chunks[h] = (t, 0)
+            heapq.heappush(self._heap, (t, h))
+            if self._chunk_id is not None:
+                self._hash_of[h] = key[:-4]
+        else:
+            self._raise(h, t)
+
+    def _needs(
+        self, req: _Request, key: OffloadKey, position: int | None
+    ) -> tuple[OffloadKey, int] | None:
+        """The key (and its position) that a hit on this key needs on disk
+        before it; None: a root, as far as the request's keys tell."""
+        if position is None:
+            return None
+        group = key[-4:]
+        if group in self._prefix:
+            step = self._chunk_tokens.get(group, 0)
+            before = position - step
+            if not step or before <= 0:
+                return None
+        else:
+            before = -(-position // self._cover_tokens) * self._cover_tokens
+            group = self._cover_group
+        key_before = req.keys.get((before, group))
+        return None if key_before is None else (key_before, before)
+
+    def _has_file(self, req: _Request, key: OffloadKey, position: int) -> bool:
+        """Whether the key has a file: indexed, or found by lookup() for the
+        request (another engine's), or, until the start-up scan is done,
+        there (a filesystem call, on an I/O thread, only until then). A file
+        not indexed yet is indexed now, at the request's order for it, so
+        that its successors never outlive it."""
+        h, bit = self._cid(key[:-4]), _bit(key)
+        chunk = self._chunks.get(h)
+        if chunk is not None and chunk[1] & bit:
+            return True
+        if key in req.found:
+            with self._removing_lock:
+                if h in self._removing:
+                    return False
+        elif self.scan_done.is_set() or not os.path.exists(self._key_path(key)):
+            return False
+        self._index(h, self._order(req, key, position), key)
+        order, groups = self._chunks[h]
+        self._chunks[h] = (order, groups | bit)
+        self.used += self._bytes(bit)
+        return True
+
+    def _pin_chunk(self, job: Admission, h: bytes) -> None:
+        if h in self._chunks:
+            self._pins[h] = self._pins.get(h, 0) + 1
+            job.pinned.append(h)
 
     def _unpin(self, h: bytes) -> None:
-        state = self._chunks.get(h)
-        if state is None:
-            return
-        state -= PIN
-        self._chunks[h] = state
-        if not state & (PINS | CHILDREN):
-            if state >> GROUPS:  # evictable, and just used
-                self._leaves[h] = None
-                self._leaves.move_to_end(h)
-            else:  # its files failed: nothing left to keep
-                self._remove_chunk(h, state)
+        n = self._pins.pop(h, 0)
+        if n < 1:
+            raise RuntimeError(
+                f"{self._label}: chunk {h.hex()} unpinned more often than pinned"
+            )
+        if n > 1:
+            self._pins[h] = n - 1
+        elif h in self._chunks and not self._chunks[h][1]:
+            self._drop(h)  # nothing of it on disk
 
-    def _remove_chunk(self, h: bytes, state: int) -> None:
-        chunks = self._chunks
-        del chunks[h]
-        self._leaves.pop(h, None)
-        self.used -= self._bytes(state >> GROUPS)
-        parent = self._parent.pop(h, None)
-        if parent is None:
-            return
-        recovering = self._recovering
-        if recovering is not None and parent in recovering:
-            recovering[parent] -= CHILD  # the parent is not inserted yet
-            return
-        self._drop_child(parent)
+    def _drop(self, h: bytes) -> None:
+        del self._chunks[h]
+        self._dirty.discard(h)
+        self._hash_of.pop(h, None)
 
-    def _drop_child(self, parent: bytes) -> None:
-        state = self._chunks.get(parent)
-        if state is None:
-            return
-        state -= CHILD
-        self._chunks[parent] = state
-        if not state & (CHILDREN | PINS):
-            # the prefix's head follows its tail
-            self._leaves[parent] = None
-            self._leaves.move_to_end(parent, last=False)
+    def _finish(self, job: Admission, failed: list[OffloadKey]) -> None:
+        for key in failed:
+            h, bit = self._cid(key[:-4]), _bit(key)
+            chunk = self._chunks.get(h)
+            if job.positions is not None and not job.added.get(h, 0) & bit:
+                continue  # a store over a file that is still there
+            if chunk is not None and chunk[1] & bit:
+                self._chunks[h] = (chunk[0], chunk[1] & ~bit)
+                self.used -= self._bytes(bit)
+        for h in job.pinned:
+            self._unpin(h)
+        if job.positions is not None:
+            self._dirty.update(job.added)  # written: their times go on them
 
-    def _evict(self, need: int, low: int | None = None) -> Evicted:
-        """Evict until need more bytes fit in max_bytes, taking over first
-        the budget thread's removals not started yet; or, with low (the
-        budget thread evicting ahead), down to low bytes and never below.
-        Leaves go least recent first, each marked removing before the hits
-        not drained yet are read: a victim lookup() just found is kept (see
-        on_hit()). Returns the evicted chunks; the caller removes their
-        files."""
+    def _evict(
+        self, need: int, floor: int = 0, older_than: int | None = None
+    ) -> Evicted:
+        """The oldest unpinned chunks (older than older_than), until need
+        bytes are freed or one more would take used below floor."""
         evicted: Evicted = []
-        size_of = self._bytes
-        if low is None:
-            queue = self._to_unlink
-            while self.used + self.unlinking + need > self.max_bytes:
-                try:  # the budget thread takes from the other end
-                    h, groups = queue.pop()
-                except IndexError:
-                    break
-                self.unlinking -= size_of(groups)
-                evicted.append((h, groups))
-            low = self.max_bytes - need
-            floor = False
-            extra = self.unlinking
-        else:
-            # ahead: the files being removed are as good as gone
-            floor = True
-            extra = 0
-        leaves = self._leaves
-        chunks = self._chunks
-        removing = self._removing
-        hit: set[bytes] = set()
-        checked = 0  # pending hits already in `hit`
-        files = 0
-        while leaves and self.used + extra > low:
-            excess = self.used + extra - low
-            victims: list[bytes] = []
-            while excess > 0 and leaves:
-                h, _ = leaves.popitem(last=False)
-                state = chunks.get(h)
-                if state is None or state & (PINS | CHILDREN):
-                    continue  # pinned: listed again when unpinned
-                size = size_of(state >> GROUPS)
-                if floor and size > excess:
-                    leaves[h] = None
-                    leaves.move_to_end(h, last=False)
-                    break
-                removing.add(h)
-                victims.append(h)
-                excess -= size
-            if not victims:
+        skipped: list[tuple[int, bytes]] = []
+        heap = self._heap
+        while need > 0 and heap:
+            if older_than is not None and heap[0][0] >= older_than:
                 break
-            pending = list(self._pending_hits)
-            for k in pending[checked:]:
-                hit.add(self._cid(k[:-4]))
-            checked = len(pending)
-            for h in victims:
-                state = chunks[h]
-                if h in hit:  # found by a lookup() meanwhile: kept
-                    removing.discard(h)
-                    leaves[h] = None
-                    continue
-                groups = state >> GROUPS
-                evicted.append((h, groups))
-                files += groups.bit_count()
-                self._remove_chunk(h, state)
-            if hit.issuperset(victims):
+            t, h = heapq.heappop(heap)
+            chunk = self._chunks.get(h)
+            if chunk is None or chunk[0] != t:
+                continue  # stale: raised since, or gone
+            if h in self._pins or not chunk[1]:
+                skipped.append((t, h))
+                continue
+            size = self._bytes(chunk[1])
+            if self.used - size < floor:
+                skipped.append((t, h))
                 break
-        self.evicted_files += files
+            del self._chunks[h]
+            self._dirty.discard(h)
+            self.used -= size
+            self.evicted_files += chunk[1].bit_count()
+            need -= size
+            evicted.append((h, chunk[1]))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self._chunks) + SCAN_BATCH:
+            self._heap = [(c[0], h) for h, c in self._chunks.items()]
+            heapq.heapify(self._heap)
+        if evicted:
+            with self._removing_lock:
+                for h, _ in evicted:
+                    self._removing[h] = 0
+            for h, groups in evicted:
+                self._evicted_keys.append((h, self._keys_of(h, groups)))
         return evicted
 
-    def _paths(self, evicted: Evicted) -> list[str]:
-        chunk_path = self._chunk_path
+    def _keys_of(self, h: bytes, groups: int) -> list[OffloadKey]:
+        block_hash = h if self._chunk_id is None else self._hash_of.pop(h, None)
+        if block_hash is None:
+            return []  # never stored nor found since start: no cached verdict
         return [
-            chunk_path(h, g) for h, groups in evicted for g in _group_indices(groups)
+            OffloadKey(block_hash + g.to_bytes(4, "big")) for g in _groups_of(groups)
         ]
 
-    # ---- reports ------------------------------------------------------------
+    def _settle(self, h: bytes, done: int) -> None:
+        """Under _removing_lock: one of an evicted chunk's two ends."""
+        state = self._removing.get(h)
+        if state is not None:
+            if state | done == _KEYS_TAKEN | _FILES_GONE:
+                del self._removing[h]
+            else:
+                self._removing[h] = state | done
+
+    # ---- the budget thread ------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._scan()
+        except Exception as e:  # the tier still works, unindexed files stay
+            logger.warning("%s: could not index existing files: %s", self._label, e)
+        finally:
+            self.scan_done.set()
+        while not self._stop:
+            self._wake.wait(BUDGET_INTERVAL_S)
+            self._wake.clear()
+            with self._lock:
+                self._apply()
+                evicted: Evicted = []
+                if self.used > self.max_bytes * HIGH_WATER // 100:
+                    low = self.max_bytes * LOW_WATER // 100
+                    evicted = self._evict(self.used - low, floor=low)
+                    ahead = sum(self._bytes(g) for _, g in evicted)
+                    self.unlinking += ahead  # stores count them until gone
+            if evicted:
+                self._remove(evicted)
+                with self._lock:
+                    self.unlinking -= ahead
+            self._persist_times()
+            now = time.monotonic()
+            if now >= self._next_report:
+                self._report()
+            if now >= self._next_warning:
+                self._warn_rejections()
+
+    def _persist_times(self) -> None:
+        """Set the files of chunks whose order time changed to it (their
+        mtime), for a restart to read back."""
+        with self._lock:
+            dirty = [(h, self._chunks.get(h)) for h in self._dirty]
+            self._dirty.clear()
+        for h, chunk in dirty:
+            if chunk is None:
+                continue
+            for g in _groups_of(chunk[1]):
+                # removed since, or not written yet (its store's end sets it)
+                with contextlib.suppress(OSError):
+                    os.utime(self._chunk_path(h, g), ns=(chunk[0], chunk[0]))
+
+    def _scan(self) -> None:
+        """Index the rank directory's block files (their order times are
+        their mtimes) in batches, trimming to the budget after each."""
+        start = time.monotonic()
+        found: dict[bytes, tuple[int, int]] = {}
+        for d1 in _scandir(self._rank_dir):
+            for d2 in _scandir(d1.path) if d1.is_dir(follow_symlinks=False) else ():
+                sep = d2.name.find("_g")
+                if sep < 0 or not d2.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    bit = 1 << int(d2.name[sep + 2 :])
+                except ValueError:
+                    continue
+                for f in _scandir(d2.path):
+                    if self._stop:
+                        return
+                    if not f.name.endswith(".bin"):
+                        continue
+                    try:
+                        h = bytes.fromhex(f.name[:-4])
+                        t = f.stat(follow_symlinks=False).st_mtime_ns
+                    except (ValueError, OSError):
+                        continue
+                    old = found.get(h, (t, 0))
+                    found[h] = (max(t, old[0]), old[1] | bit)
+        chunks = list(found.items())
+        del found
+        removed = 0
+        for i in range(0, len(chunks), SCAN_BATCH):
+            if self._stop:
+                return
+            with self._lock:
+                self._apply()
+                for h, (t, groups) in chunks[i : i + SCAN_BATCH]:
+                    self._insert_found(h, t, groups)
+                evicted = self._evict(self.used - self.max_bytes)
+            removed += sum(groups.bit_count() for _, groups in evicted)
+            self._remove(evicted)
+            time.sleep(SCAN_PAUSE_S)
+        logger.info(
+            "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
+            "file(s) to fit max_bytes=%d; %d bytes used",
+            self._label,
+            len(chunks),
+            time.monotonic() - start,
+            removed,
+            self.max_bytes,
+            self.used,
+        )
+
+    def _insert_found(self, h: bytes, t: int, groups: int) -> None:
+        with self._removing_lock:
+            if h in self._removing:
+                return  # evicted since start: its files are going
+        chunk = self._chunks.get(h, (t, 0))
+        self.used += self._bytes(groups & ~chunk[1])
+        self._chunks[h] = (max(t, chunk[0]), groups | chunk[1])
+        heapq.heappush(self._heap, (self._chunks[h][0], h))
+
+    # ---- reports ----------------------------------------------------------
 
     def _report(self, force: bool = False) -> None:
         self._next_report = time.monotonic() + REPORT_INTERVAL_S
@@ -973,8 +826,8 @@ class FsTierBudget:
         if now == self._reported and not force:
             return
         logger.info(
-            "%s: %d of max_bytes=%d bytes used, %d files evicted "
-            "and %d rejected since the previous report (%d and %d since start)",
+            "%s: %d of max_bytes=%d bytes used, %d files evicted and %d "
+            "rejected since the previous report (%d and %d since start)",
             self._label,
             now[0],
             self.max_bytes,
@@ -986,20 +839,19 @@ class FsTierBudget:
         self._reported = now
 
     def _warn_rejections(self) -> None:
-        """Stores refused since the previous warning, if any (at most one
-        line per REPORT_INTERVAL_S; read without the budget's lock: counters;
-        one thread at a time, so that two threads never say the same)."""
-        if not self._rejection_warning.acquire(blocking=False):
+        """Stores refused since the previous warning, if any: at most one
+        line per REPORT_INTERVAL_S, said by one thread."""
+        if not self._warning_lock.acquire(blocking=False):
             return  # another thread is saying it
         try:
             files, jobs = self.rejected_files, self.rejected_jobs
-            last_files, last_jobs = self._warned_rejections
+            last_files, last_jobs = self._warned
             if files == last_files:
                 return
-            self._warned_rejections = (files, jobs)
-            self._next_rejection_warning = time.monotonic() + REPORT_INTERVAL_S
+            self._warned = (files, jobs)
+            self._next_warning = time.monotonic() + REPORT_INTERVAL_S
         finally:
-            self._rejection_warning.release()
+            self._warning_lock.release()
         logger.warning(
             "%s: %d block file(s) of %d store job(s) not written since the "
             "previous report (%d and %d since start): no room in "
@@ -1015,285 +867,6 @@ class FsTierBudget:
             self.used,
             self.unlinking,
         )
-
-    # ---- budget thread: the start-up scan, eviction ahead, the journal ---
-
-    def _kick(self) -> None:
-        with self._wake:
-            self._kicked = True
-            self._wake.notify()
-
-    def _run(self) -> None:
-        try:
-            self._scan()
-        except Exception as e:  # the tier still works, unindexed files stay
-            logger.warning("%s: could not index existing files: %s", self._label, e)
-        finally:
-            self.scan_done.set()
-        while True:
-            with self._wake:
-                if not (self._kicked or self._stop):
-                    self._wake.wait(JOURNAL_INTERVAL_S)
-                self._kicked = False
-                stop = self._stop
-            with self._lock:
-                self._drain()
-                self._forget_removed()
-                if self.used > self._high_water:
-                    for h, groups in self._evict(0, self._low_water):
-                        self._to_unlink.append((h, groups))
-                        self.unlinking += self._bytes(groups)
-            self._unlink_ahead()
-            self._write_journal()
-            if stop:
-                return
-
-    def _unlink_ahead(self) -> None:
-        """Remove the files of the chunks evicted ahead: hand removal tasks
-        for them to the I/O threads (run_removals), or remove them here one
-        chunk at a time (a store that needs the room first takes over the
-        rest)."""
-        queue = self._to_unlink
-        if self._run_removals is not None:
-            with self._lock:
-                tasks = -(-len(queue) // AHEAD_REMOVALS_PER_TASK)
-                tasks -= self._removal_tasks  # handed over, not started
-                if tasks <= 0 or self._stop:
-                    return
-                self._removal_tasks += tasks
-            self._run_removals([self._remove_ahead] * tasks)
-            return
-        while not self._stop:
-            try:
-                evicted = [queue.popleft()]
-            except IndexError:
-                return
-            self._remove_files(self._paths(evicted))
-            with self._lock:
-                self.unlinking -= self._bytes(evicted[0][1])
-            self._removed(evicted)
-
-    def _remove_ahead(self) -> None:
-        """A removal task (on an I/O thread): remove the files of up to
-        AHEAD_REMOVALS_PER_TASK chunks evicted ahead, those a store has not
-        taken over."""
-        queue = self._to_unlink
-        evicted: Evicted = []
-        with self._lock:
-            self._removal_tasks -= 1
-            while queue and len(evicted) < AHEAD_REMOVALS_PER_TASK:
-                evicted.append(queue.popleft())
-        if not evicted:
-            return
-        self._remove_files(self._paths(evicted))
-        size_of = self._bytes
-        with self._lock:
-            self.unlinking -= sum(size_of(groups) for _, groups in evicted)
-        self._removed(evicted)
-
-    def _write_journal(self) -> None:
-        q = self._journal_q
-        records = [_record(*q.popleft()) for _ in range(len(q))]
-        if not records:
-            return
-        try:
-            # the tier's modes: the journal names the chunks on disk
-            make_dirs(self._rank_dir, self._modes)
-            fd = os.open(
-                self._journal_path,
-                os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW,
-                self._modes.file,
-            )
-            try:
-                os.fchmod(fd, self._modes.file)
-                os.write(fd, b"".join(records))
-            finally:
-                os.close(fd)
-            self._journal_records += len(records)
-            if self._journal_records > 2 * len(self._chunks) + SCAN_BATCH:
-                self._compact_journal()
-        except OSError as e:
-            logger.warning(
-                "%s: could not write %s: %s", self._label, self._journal_path, e
-            )
-
-    def _compact_journal(self) -> None:
-        """Keep the records of indexed chunks (read without the lock: dict
-        membership is atomic; a record dropped by a race only makes that
-        chunk a root after a restart)."""
-        kept = {
-            h: p
-            for h, p in _read_journal(self._journal_path).items()
-            if h in self._chunks
-        }
-        write_file_atomically(
-            self._journal_path,
-            b"".join(_record(h, p) for h, p in kept.items()),
-            self._modes,
-        )
-        self._journal_records = len(kept)
-
-    def _scan(self) -> None:
-        """Index the rank directory's block files and trim to the budget.
-
-        Flat: one state int and one mtime per chunk in two dicts (nothing
-        the garbage collector tracks per file), the order sorted by numpy,
-        and inserted SCAN_BATCH chunks per lock hold."""
-        start = time.monotonic()
-        parents = _read_journal(self._journal_path)
-        self._journal_records = len(parents)
-        found: dict[bytes, int] = {}  # chunk id -> state
-        mtimes: dict[bytes, float] = {}  # chunk id -> its newest file's mtime
-        for d1 in _scandir(self._rank_dir):
-            if not d1.is_dir(follow_symlinks=False):
-                continue
-            for d2 in _scandir(d1.path):
-                name = d2.name
-                sep = name.find("_g")
-                if sep < 0 or not d2.is_dir(follow_symlinks=False):
-                    continue
-                try:
-                    bit = 1 << (GROUPS + int(name[sep + 2 :]))
-                except ValueError:
-                    continue
-                if self._stop:
-                    return
-                for f in _scandir(d2.path):
-                    fname = f.name
-                    if not fname.endswith(".bin"):
-                        continue
-                    try:
-                        h = bytes.fromhex(fname[:-4])
-                        mtime = f.stat(follow_symlinks=False).st_mtime
-                    except (ValueError, OSError):
-                        continue
-                    state = found.get(h)
-                    if state is None:
-                        found[h] = RECOVERED | bit
-                        mtimes[h] = mtime
-                    else:
-                        found[h] = state | bit
-                        if mtime > mtimes[h]:
-                            mtimes[h] = mtime
-        links: dict[bytes, bytes] = {}
-        for h, p in parents.items():
-            if h in found and p in found and h != p:
-                links[h] = p
-                found[p] += CHILD
-        del parents
-        # the most recent first, each inserted at the least recent end
-        # (numpy sorts without holding the GIL: the engine keeps serving)
-        hashes = list(found)
-        mt = np.fromiter(mtimes.values(), np.float64, len(hashes))
-        del mtimes
-        order = [hashes[i] for i in np.argsort(-mt, kind="stable").tolist()]
-        del hashes, mt
-        total = len(order)
-        removed = 0
-        with self._lock:
-            self._recovering = found
-        try:
-            for i in range(0, total, SCAN_BATCH):
-                if self._stop:
-                    return
-                with self._lock:
-                    self._drain()
-                    for h in order[i : i + SCAN_BATCH]:
-                        self._insert_recovered(h, found.pop(h), links.get(h))
-                    evicted = self._evict(0)
-                removed += self._remove_files(self._paths(evicted))
-                self._removed(evicted)
-                time.sleep(SCAN_PAUSE_S)
-        finally:
-            with self._lock:
-                self._recovering = None
-        self.scan_stats = (total, removed, self.used, time.monotonic() - start)
-        logger.info(
-            "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
-            "file(s) to fit max_bytes=%d; %d bytes used",
-            self._label,
-            total,
-            self.scan_stats[3],
-            removed,
-            self.max_bytes,
-            self.used,
-        )
-
-    def _insert_recovered(self, h: bytes, found: int, parent: bytes | None) -> None:
-        """Insert a chunk found on disk (under the lock). Its children count
-        is the recovered one, kept up to date while it waited: a recovered
-        child removed before its parent was inserted decremented it there."""
-        chunks = self._chunks
-        state = chunks.get(h)
-        children = found & CHILDREN
-        if state is not None:  # stored again since start: merge
-            add = found >> GROUPS & ~(state >> GROUPS)
-            self.used += self._bytes(add)
-            chunks[h] = (state | add << GROUPS) + children
-            if children:
-                self._leaves.pop(h, None)
-            if parent is not None:  # keep the link it has: drop the old one
-                recovering = self._recovering
-                if recovering is not None and parent in recovering:
-                    recovering[parent] -= CHILD
-                else:
-                    self._drop_child(parent)
-            return
-        chunks[h] = found
-        if parent is not None:
-            self._parent[h] = parent
-        self.used += self._bytes(found >> GROUPS)
-        if not children:
-            self._leaves[h] = None
-            self._leaves.move_to_end(h, last=False)
-
-    def _remove_files(self, paths: Iterable[str]) -> int:
-        """Remove files; returns how many were. A file already gone was
-        removed by another engine or never written; other failures (a
-        directory, a read-only mount) are counted and reported."""
-        n = errors = 0
-        error = ""
-        for path in paths:
-            try:
-                os.remove(path)
-                n += 1
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                errors += 1
-                error = str(e)
-        if errors:
-            with self._lock:
-                self.removal_errors += errors
-            if self._on_removal_errors is not None:
-                self._on_removal_errors(errors, error)
-        return n
-
-
-def _record(h: bytes, parent: bytes) -> bytes:
-    return bytes((len(h), len(parent))) + h + parent
-
-
-def _read_journal(path: str) -> dict[bytes, bytes]:
-    try:
-        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW)
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read()
-        finally:
-            os.close(fd)
-    except OSError:
-        return {}
-    parents: dict[bytes, bytes] = {}
-    i, n = 0, len(data)
-    while i + 2 <= n:
-        lh, lp = data[i], data[i + 1]
-        j = i + 2 + lh + lp
-        if j > n:
-            break  # a torn last record
-        parents[data[i + 2 : i + 2 + lh]] = data[i + 2 + lh : j]
-        i = j
-    return parents
 
 
 def _scandir(path: str):

@@ -269,12 +269,10 @@ _thread_local = threading.local()
 
 # The fs tier's temp files, see _get_tmp_suffix(): a block's
 # (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
-# (.direct_io_probe_<n>.tmp, .xattr_probe_<n>.tmp), config.json's
-# (config.json_<n>.tmp) and the budget journal's compaction
-# (budget.journal_<n>.tmp).
+# (.direct_io_probe_<n>.tmp, .xattr_probe_<n>.tmp) and config.json's
+# (config.json_<n>.tmp).
 _TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.direct_io_probe|\.xattr_probe|^config\.json|^budget\.journal)"
-    r"_[0-9]+\.tmp$"
+    r"(?:\.bin|\.direct_io_probe|\.xattr_probe|^config\.json)_[0-9]+\.tmp$"
 )
 
 

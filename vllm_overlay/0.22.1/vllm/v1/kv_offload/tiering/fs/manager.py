@@ -96,7 +96,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,8 +151,9 @@ logger = init_logger(__name__)
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again with the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
-# Evicted chunks whose files one store task removes before its write.
-REMOVALS_PER_TASK = 16
+# lookup() without a request: its hits order like a request's unpositioned
+# keys (recency)
+_NO_REQUEST = ReqContext(req_id="")
 
 
 @dataclass(frozen=True)
@@ -558,6 +559,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 self.file_mapper.get_file_name,
                 lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
                 f"{tier_type} tier at {root_dir}",
+                chunk_tokens=dict(enumerate(offloading_spec.offloaded_block_size)),
                 prefix_groups=[
                     i
                     for i, group in enumerate(
@@ -570,9 +572,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 ]
                 or None,
                 chunk_id=chunk_id,
-                modes=self._modes,
                 on_removal_errors=self._pool.record_removal_errors,
-                run_removals=self._pool.enqueue_removals,
             )
             logger.info(
                 "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
@@ -760,15 +760,11 @@ class FileSystemTierManager(SecondaryTierManager):
             # kept until the promotion the tiering manager submits for it;
             # posted first: an eviction racing with this lookup either sees
             # the hit or has marked the chunk removing (a miss)
-            budget.on_hit(key)
+            ctx = req_context or _NO_REQUEST
+            budget.on_hit(key, ctx.req_id, ctx.offload_key_positions())
             if budget.is_removing(key):
                 return False  # evicted: its file is about to be removed
         return True
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._budget is not None and req_context is not None:
-            # a request's keys in prompt order: where a store finds parents
-            self._budget.note_order(req_context.req_id, keys)
 
     def _reprobe_direct_io(self) -> None:
         """Probe O_DIRECT again after a transient failure (on an I/O thread,
@@ -808,19 +804,12 @@ class FileSystemTierManager(SecondaryTierManager):
         self, job: Admission, key: OffloadKey, block_id: int, rewrite: bool
     ) -> None:
         """A store task of a budgeted tier: its job's admission first (on
-        this I/O thread, not the scheduler's), then its share of the evicted
-        chunks' files removed, then its write. The shares are removed before
-        a key is refused or skipped, and the job's last task removes what is
-        left: every file the job evicted goes, whatever its own keys do."""
+        this I/O thread, not the scheduler's), then, for the job's first
+        task, the evicted chunks' files removed, then its write."""
         assert self._budget is not None
         rejected, unreachable, evicted = self._budget.admitted(job)
-        last = next(job.tasks_run) == len(job.keys) - 1
         if evicted:
-            share = []
-            with contextlib.suppress(IndexError):
-                for _ in range(len(evicted) if last else REMOVALS_PER_TASK):
-                    share.append(evicted.popleft())
-            self._budget.remove_evicted(share)
+            self._budget.remove_evicted(evicted)
         if rejected and key in rejected:
             self._reject(key)
         if unreachable and key in unreachable:
@@ -860,8 +849,9 @@ class FileSystemTierManager(SecondaryTierManager):
         if self._budget is not None:
             # the job's admission (reserving its bytes, evicting first,
             # pinning its chunks) is decided by its first task to run
+            ctx = job_metadata.req_context
             job = self._budget.admit_store(
-                job_metadata.keys, job_metadata.req_context.req_id
+                job_metadata.keys, ctx.req_id, ctx.offload_key_positions()
             )
             self._budget_tickets[job_metadata.job_id] = job
             store = self._store_admitted
@@ -941,6 +931,9 @@ class FileSystemTierManager(SecondaryTierManager):
         budget = self._budget
         if budget is not None:
             budget.end_step()
+            # evicted chunks: lookup() stats their files (no cached verdict
+            # to turn into a miss), so they only leave the removing set
+            budget.take_evicted_keys()
         for job_id, failed in self._pool.get_finished():
             keys = self._job_keys.pop(job_id)
             if budget is not None:

@@ -273,17 +273,6 @@ class DualQueueThreadPool:
                 queue.append((fn, state, task_idx))
             self._condition.notify(n_tasks)
 
-    def enqueue_removals(self, tasks: list[Callable[[], None]]) -> None:
-        """Removal tasks of the budget (files evicted ahead): run by the
-        I/O threads in turn with the store tasks, after those queued; no
-        job waits for them (a failure is counted as a failed removal)."""
-        with self._condition:
-            if self._stop:
-                return
-            for fn in tasks:
-                self._store_q.append((fn, None, 0))
-            self._condition.notify(len(tasks))
-
     def record_removal_errors(self, failed: int, error: str) -> None:
         """Evicted files that could not be removed, in the rate-limited
         failure report."""
@@ -322,12 +311,6 @@ class DualQueueThreadPool:
                 task, state, task_idx = (
                     primary.popleft() if primary else secondary.popleft()
                 )
-            if state is None:  # a removal task (see enqueue_removals())
-                try:
-                    task()
-                except Exception as exc:
-                    self._failures.record_removals(1, str(exc))
-                continue
             try:
                 task()
                 job_finished = state.task_done(task_idx)

@@ -63,7 +63,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
@@ -78,6 +78,8 @@ LOW_WATER = 90
 # Positions of the most recently seen requests' keys kept for the order
 # (about 100 MiB; the least recently seen requests go first).
 MAX_TRACKED_KEYS = 1 << 20
+# Requests whose last copy of positions the scheduler thread remembers.
+MAX_RECALLED_REQUESTS = 1 << 16
 # Events posted before the scheduler thread wakes the budget thread.
 MAX_EVENTS = 65536
 # The budget thread's period: events applied, eviction ahead, file times.
@@ -176,7 +178,7 @@ class FsTierBudget:
     def __init__(
         self,
         max_bytes: int,
-        file_size: int,
+        file_sizes: Sequence[int],
         rank_dir: str,
         key_path: Callable[[OffloadKey], str],
         chunk_path: Callable[[bytes, int], str],
@@ -186,7 +188,8 @@ class FsTierBudget:
         chunk_id: Callable[[bytes], bytes] | None = None,
         on_removal_errors: Callable[[int, str], None] | None = None,
     ) -> None:
-        """chunk_tokens: the tokens of one chunk of each KV cache group.
+        """file_sizes: the bytes of a block file of each KV cache group.
+        chunk_tokens: the tokens of one chunk of each KV cache group.
         prefix_groups: the groups a hit needs every earlier chunk of (full
         attention; None: every group). Chunks are indexed by the stem of
         their file names: chunk_id maps a block hash to it (a keyed
@@ -195,7 +198,7 @@ class FsTierBudget:
         on_removal_errors(count, last error): evicted files that could not
         be removed (the tier's rate-limited failure report)."""
         self.max_bytes = max_bytes
-        self.file_size = file_size
+        self._sizes = list(file_sizes)  # a file's bytes, by group index
         self._rank_dir = rank_dir
         self._key_path = key_path
         self._chunk_path = chunk_path
@@ -257,6 +260,7 @@ class FsTierBudget:
         is_removing(): an eviction marks its victims removing before it
         applies the hits posted after, so a racing lookup() keeps the chunk
         or answers a miss."""
+        self._recall(req_id, positions)
         self._events.append((_HIT, key, req_id, positions.get(key)))
 
     def forget_request(self, req_id: str) -> None:
@@ -276,11 +280,18 @@ class FsTierBudget:
         since the last copy (a prefix another tier served is in no event of
         this tier): amortized O(1) per key."""
         job = Admission(keys, req_id, [positions.get(k) for k in keys])
-        if positions and len(positions) >= 2 * self._recalled.get(req_id, 0):
-            self._recalled[req_id] = len(positions)
-            self._events.append((_RECALL, req_id, dict(positions)))
+        self._recall(req_id, positions)
         self._events.append((_ADMIT, job))
         return job
+
+    def _recall(self, req_id: str, positions: Mapping[OffloadKey, int]) -> None:
+        """Post a copy of the request's recorded positions when they doubled
+        since the last copy: amortized O(1) per key."""
+        if positions and len(positions) >= 2 * self._recalled.get(req_id, 0):
+            if len(self._recalled) >= MAX_RECALLED_REQUESTS:
+                self._recalled.clear()  # bounded; a request copied again is correct
+            self._recalled[req_id] = len(positions)
+            self._events.append((_RECALL, req_id, dict(positions)))
 
     def pin_load(self, keys: Collection[OffloadKey]) -> Admission:
         """A load job's chunks, pinned until finish_job()."""
@@ -338,21 +349,28 @@ class FsTierBudget:
     def admitted(
         self, job: Admission
     ) -> tuple[set[OffloadKey], set[OffloadKey], Evicted]:
-        """A store task's first step: its job's admission (see _admit()).
-        The thread that gets the lock applies the events posted before the
-        job: a store never waits on the budget thread."""
-        if job.result is None:
-            with self._lock:
+        """A store task's first step: its job's admission (see _admit()):
+        the keys refused, the keys past a gap, and the evicted chunks whose
+        files the caller removes before it writes (handed to the job's first
+        task only). The thread that gets the lock applies the events posted
+        before the job: a store never waits on the budget thread."""
+        with self._lock:
+            if job.result is None:
                 self._apply(job)
-            if self.used > self.max_bytes * HIGH_WATER // 100:
-                self._wake.set()  # evict ahead, off the write path
-        assert job.result is not None  # _apply(job) admits it
-        if job.result[0] and time.monotonic() >= self._next_warning:
+            assert job.result is not None  # _apply(job) admits it
+            rejected, unreachable, evicted = job.result
+            job.result = (rejected, unreachable, [])
+        if self.used > self.max_bytes * HIGH_WATER // 100:
+            self._wake.set()  # evict ahead, off the write path
+        if rejected and time.monotonic() >= self._next_warning:
             self._warn_rejections()
-        return job.result
+        return rejected, unreachable, evicted
 
     def remove_evicted(self, evicted: Evicted) -> None:
         """Remove evicted chunks' files (a store's task, before it writes)."""
+        self._remove(evicted)
+
+    def _remove(self, evicted: Evicted) -> None:
         errors, error = 0, ""
         for h, groups in evicted:
             for g in _groups_of(groups):
@@ -400,6 +418,14 @@ class FsTierBudget:
                 job = event[1]
                 for h in {self._cid(k[:-4]) for k in job.keys}:
                     self._pin_chunk(job, h)
+
+    def _bytes(self, groups: int) -> int:
+        """The bytes of a chunk's files of a group bitmask (a group past
+        file_sizes, which no config names: the largest file)."""
+        sizes = self._sizes
+        return sum(
+            sizes[g] if g < len(sizes) else max(sizes) for g in _groups_of(groups)
+        )
 
     def _cid(self, block_hash: bytes) -> bytes:
         """A block hash's chunk id: the stem of its files' names."""
@@ -452,12 +478,26 @@ class FsTierBudget:
             if self._chunk_id is not None:
                 self._hash_of.setdefault(h, key[:-4])
             self._raise(h, self._order(req, key, position))
+            if position is not None:
+                self._raise_prefix(req, key, position)
             self._pins[h] = self._pins.get(h, 0) + 1
             self._step_pins.append(h)
         elif key not in req.found:  # another engine's file, or not indexed yet
             req.found.add(key)
             self._tracked += 1
             self._bound_requests()
+
+    def _raise_prefix(self, req: _Request, key: OffloadKey, position: int) -> None:
+        """Keep the request's chunks before the key at least as new as it:
+        its group's, and for a sliding-window or mamba key its covering
+        full-attention chunk and those before that (another tier may have
+        served them: this tier saw no hit or store of theirs)."""
+        self._raise_earlier(req, key, position)
+        if key[-4:] not in self._prefix:
+            before = self._needs(req, key, position)
+            if before is not None:
+                self._raise(self._cid(before[0][:-4]), self._order(req, *before))
+                self._raise_earlier(req, *before)
 
     def _raise_earlier(self, req: _Request, key: OffloadKey, position: int) -> None:
         """The request's earlier chunks of the key's group, back while they
@@ -497,30 +537,31 @@ class FsTierBudget:
             before = self._needs(req, key, position)
             if h in removing or (
                 before is not None
-                and before not in coming
-                and not self._on_disk(req, before)
+                and before[0] not in coming
+                and not self._has_file(req, *before)
             ):
                 unreachable.add(key)
                 continue
             if before is not None:  # kept while this key is written
-                self._pin_chunk(job, self._cid(before[:-4]))
+                self._pin_chunk(job, self._cid(before[0][:-4]))
             t = self._order(req, key, position)
             self._index(h, t, key)
             self._pin_chunk(job, h)
             if position is not None:  # before evicting: they are newer
-                self._raise_earlier(req, key, position)
+                self._raise_prefix(req, key, position)
             bit = _bit(key)
             if not self._chunks[h][1] & bit:
-                need = self.used + self.unlinking + self.file_size - self.max_bytes
+                size = self._bytes(bit)
+                need = self.used + self.unlinking + size - self.max_bytes
                 if need > 0:
                     evicted += self._evict(need, older_than=t)
-                if self.used + self.unlinking + self.file_size > self.max_bytes:
+                if self.used + self.unlinking + size > self.max_bytes:
                     rejected.add(key)
                     continue
                 order, groups = self._chunks[h]
                 self._chunks[h] = (order, groups | bit)
                 job.added[h] = job.added.get(h, 0) | bit
-                self.used += self.file_size
+                self.used += size
             coming.add(key)
         self.unreachable_files += len(unreachable)
         if rejected:
@@ -540,30 +581,44 @@ class FsTierBudget:
 
     def _needs(
         self, req: _Request, key: OffloadKey, position: int | None
-    ) -> OffloadKey | None:
-        """The key a hit on this key needs on disk before it (None: a root)."""
+    ) -> tuple[OffloadKey, int] | None:
+        """The key (and its position) that a hit on this key needs on disk
+        before it; None: a root, as far as the request's keys tell."""
         if position is None:
             return None
-        if key[-4:] in self._prefix:
-            step = self._chunk_tokens[key[-4:]]
-            if position <= step:
+        group = key[-4:]
+        if group in self._prefix:
+            step = self._chunk_tokens.get(group, 0)
+            before = position - step
+            if not step or before <= 0:
                 return None
-            return req.keys.get((position - step, key[-4:]))
-        cover = -(-position // self._cover_tokens) * self._cover_tokens
-        return req.keys.get((cover, self._cover_group))
+        else:
+            before = -(-position // self._cover_tokens) * self._cover_tokens
+            group = self._cover_group
+        key_before = req.keys.get((before, group))
+        return None if key_before is None else (key_before, before)
 
-    def _on_disk(self, req: _Request, key: OffloadKey) -> bool:
-        """Whether the key has a file: indexed, found by lookup() for the
+    def _has_file(self, req: _Request, key: OffloadKey, position: int) -> bool:
+        """Whether the key has a file: indexed, or found by lookup() for the
         request (another engine's), or, until the start-up scan is done,
-        there (a filesystem call, on an I/O thread, only until then)."""
-        h = self._cid(key[:-4])
+        there (a filesystem call, on an I/O thread, only until then). A file
+        not indexed yet is indexed now, at the request's order for it, so
+        that its successors never outlive it."""
+        h, bit = self._cid(key[:-4]), _bit(key)
         chunk = self._chunks.get(h)
-        if chunk is not None and chunk[1] & _bit(key):
+        if chunk is not None and chunk[1] & bit:
             return True
         if key in req.found:
             with self._removing_lock:
-                return h not in self._removing
-        return not self.scan_done.is_set() and os.path.exists(self._key_path(key))
+                if h in self._removing:
+                    return False
+        elif self.scan_done.is_set() or not os.path.exists(self._key_path(key)):
+            return False
+        self._index(h, self._order(req, key, position), key)
+        order, groups = self._chunks[h]
+        self._chunks[h] = (order, groups | bit)
+        self.used += self._bytes(bit)
+        return True
 
     def _pin_chunk(self, job: Admission, h: bytes) -> None:
         if h in self._chunks:
@@ -594,7 +649,7 @@ class FsTierBudget:
                 continue  # a store over a file that is still there
             if chunk is not None and chunk[1] & bit:
                 self._chunks[h] = (chunk[0], chunk[1] & ~bit)
-                self.used -= self.file_size
+                self.used -= self._bytes(bit)
         for h in job.pinned:
             self._unpin(h)
         if job.positions is not None:
@@ -618,12 +673,12 @@ class FsTierBudget:
             if h in self._pins or not chunk[1]:
                 skipped.append((t, h))
                 continue
-            if self.used - chunk[1].bit_count() * self.file_size < floor:
+            size = self._bytes(chunk[1])
+            if self.used - size < floor:
                 skipped.append((t, h))
                 break
             del self._chunks[h]
             self._dirty.discard(h)
-            size = chunk[1].bit_count() * self.file_size
             self.used -= size
             self.evicted_files += chunk[1].bit_count()
             need -= size
@@ -676,10 +731,10 @@ class FsTierBudget:
                 if self.used > self.max_bytes * HIGH_WATER // 100:
                     low = self.max_bytes * LOW_WATER // 100
                     evicted = self._evict(self.used - low, floor=low)
-                    ahead = sum(g.bit_count() for _, g in evicted) * self.file_size
+                    ahead = sum(self._bytes(g) for _, g in evicted)
                     self.unlinking += ahead  # stores count them until gone
             if evicted:
-                self.remove_evicted(evicted)
+                self._remove(evicted)
                 with self._lock:
                     self.unlinking -= ahead
             self._persist_times()
@@ -741,7 +796,7 @@ class FsTierBudget:
                     self._insert_found(h, t, groups)
                 evicted = self._evict(self.used - self.max_bytes)
             removed += sum(groups.bit_count() for _, groups in evicted)
-            self.remove_evicted(evicted)
+            self._remove(evicted)
             time.sleep(SCAN_PAUSE_S)
         logger.info(
             "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
@@ -759,7 +814,7 @@ class FsTierBudget:
             if h in self._removing:
                 return  # evicted since start: its files are going
         chunk = self._chunks.get(h, (t, 0))
-        self.used += (groups & ~chunk[1]).bit_count() * self.file_size
+        self.used += self._bytes(groups & ~chunk[1])
         self._chunks[h] = (max(t, chunk[0]), groups | chunk[1])
         heapq.heappush(self._heap, (self._chunks[h][0], h))
 
@@ -771,12 +826,11 @@ class FsTierBudget:
         if now == self._reported and not force:
             return
         logger.info(
-            "%s: %d of max_bytes=%d bytes used (%d files), %d files evicted "
-            "and %d rejected since the previous report (%d and %d since start)",
+            "%s: %d of max_bytes=%d bytes used, %d files evicted and %d "
+            "rejected since the previous report (%d and %d since start)",
             self._label,
             now[0],
             self.max_bytes,
-            now[0] // self.file_size,
             self.evicted_files - self._reported[1],
             self.rejected_files - self._reported[2],
             self.evicted_files,

@@ -623,9 +623,11 @@ class FileSystemTierManager(SecondaryTierManager):
                 # keyed files: the budget indexes chunks by their file names
                 return bytes.fromhex(file_stem(block_hash))
 
+        groups = offloading_spec.config.groups
         budget = FsTierBudget(
             self._max_bytes,
-            self._block_size,
+            # every group's block file is one whole row
+            [self._block_size] * (max((g.group_id for g in groups), default=0) + 1),
             f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
             self.file_mapper.get_file_name,
             lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),

@@ -214,8 +214,11 @@ class RequestOffloadState:
                 None,
                 group_config.hash_block_size_factor,
             ):
-                group_state.offload_keys.append(
-                    make_offload_key(req_block_hash, group_config.group_idx)
+                key = make_offload_key(req_block_hash, group_config.group_idx)
+                group_state.offload_keys.append(key)
+                self.req_context.set_offload_key_position(
+                    key,
+                    len(group_state.offload_keys) * group_config.offloaded_block_size,
                 )
 
     def update_block_id_groups(
