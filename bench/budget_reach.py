@@ -113,7 +113,7 @@ def settle(tier) -> None:
     """Wait until the files the budget evicted are removed (nothing for the LRU side)."""
     budget = getattr(tier, "_budget", None)
     deadline = time.monotonic() + 60
-    while budget is not None and (budget.unlinking or budget._to_unlink):
+    while budget is not None and budget.unlinking:
         if time.monotonic() > deadline:
             raise RuntimeError("the budget's removals did not finish in 60 s")
         time.sleep(0.001)
