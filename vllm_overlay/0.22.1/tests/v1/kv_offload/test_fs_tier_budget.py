@@ -751,6 +751,120 @@ def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
         second.shutdown()
 
 
+# ---------------------------------------------------------------------------
+# The budget alone (FsTierBudget), as the tier's threads call it
+# ---------------------------------------------------------------------------
+
+
+def _budget_on(root: str, max_files: int, wait_scan: bool = True):
+    """An FsTierBudget over real files of 4 KiB under root, 16 tokens a
+    chunk, and the path of a key's file."""
+    from vllm.v1.kv_offload.tiering.fs.budget import FsTierBudget
+
+    def chunk_path(h: bytes, g: int) -> str:
+        hex_h = h.hex()
+        return os.path.join(root, hex_h[:3], f"{hex_h[3:5]}_g{g}", f"{hex_h}.bin")
+
+    def path_of(key: OffloadKey) -> str:
+        return chunk_path(key[:-4], 0)
+
+    budget = FsTierBudget(
+        max_files * 4096, [4096], root, path_of, chunk_path, "test tier", {0: 16}
+    )
+    assert not wait_scan or budget.scan_done.wait(30)
+    return budget, path_of
+
+
+def _write_files(path_of, keys) -> None:
+    for k in keys:
+        os.makedirs(os.path.dirname(path_of(k)), exist_ok=True)
+        with open(path_of(k), "wb") as f:
+            f.write(b"\0" * 4096)
+
+
+def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
+    """A store is submitted, then lookup() finds an old chunk and its load
+    is submitted, then the store's task runs: the store must not evict the
+    chunk lookup() answered as a hit (its load would fail); it evicts
+    another one."""
+    budget, path_of = _budget_on(str(tmp_path), 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    try:
+        for i, k in enumerate(keys):  # full: four one-chunk prompts
+            job = budget.admit_store([k], f"r{i}", {k: 16})
+            budget.admitted(job)
+            _write_files(path_of, [k])
+            budget.finish_job(job, [])
+        new = make_offload_key(bytes([9]) * 32, 0)
+        job = budget.admit_store([new], "writer", {new: 16})
+        assert budget.on_hit(keys[0], "reader", {keys[0]: 16})  # the oldest
+        load = budget.pin_load([keys[0]])
+        _, _, evicted = budget.admitted(job)
+        assert [h for h, _ in evicted] == [keys[1][:-4]]
+        budget.finish_job(load, [])
+    finally:
+        budget.shutdown()
+
+
+def test_a_restart_after_a_crash_keeps_prompt_heads(tmp_path):
+    """The second store job of a prompt is written and the engine stops
+    before the job is collected (a crash): its files already carry their
+    order times, so a restart with room for two of the four files keeps the
+    prompt's head, not its tail."""
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 64)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    positions = {k: 16 * (i + 1) for i, k in enumerate(keys)}
+    try:
+        for part in (keys[:2], keys[2:]):
+            job = budget.admit_store(part, "req", positions)
+            budget.admitted(job)
+            _write_files(path_of, part)
+            budget.written(job, part)
+        # no finish_job() for the second job: the engine stops here
+    finally:
+        budget.shutdown()
+    budget, _ = _budget_on(root, 2)
+    budget.shutdown()
+    assert [os.path.exists(path_of(k)) for k in keys] == [True, True, False, False]
+
+
+def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatch):
+    """lookup() finds a file of an earlier run before the start-up scan
+    indexed it and its load is submitted: the scan's trim to max_bytes
+    removes other files, not the one being loaded."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 64)
+    budget.shutdown()
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    _write_files(path_of, keys)
+    now = time.time_ns()
+    for i, k in enumerate(keys):  # keys[0] the oldest
+        os.utime(path_of(k), ns=(now - 10**9 * (4 - i),) * 2)
+    gate = threading.Event()
+    scan = budget_module.FsTierBudget._scan
+    monkeypatch.setattr(
+        budget_module.FsTierBudget, "_scan", lambda b: (gate.wait(30), scan(b))
+    )
+    budget, _ = _budget_on(root, 3, wait_scan=False)
+    try:
+        assert budget.on_hit(keys[0], "r", {keys[0]: 16})
+        load = budget.pin_load([keys[0]])
+        budget.end_step()
+        with budget._lock:
+            budget._apply()
+        gate.set()
+        assert budget.scan_done.wait(30)
+        assert os.path.exists(path_of(keys[0]))
+        assert sum(os.path.exists(path_of(k)) for k in keys) == 3
+        budget.finish_job(load, [])
+    finally:
+        gate.set()
+        budget.shutdown()
+
+
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
 def test_bad_max_bytes_is_refused_before_any_thread_starts(tmp_path, max_bytes):
     """max_bytes <= 0, not an integer, or smaller than one chunk of every

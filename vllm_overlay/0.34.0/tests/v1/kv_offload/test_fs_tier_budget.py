@@ -13,6 +13,7 @@ same way, and the budget is reported to vLLM's KV offload metrics. Bad
 settings are refused.
 """
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -1149,6 +1150,241 @@ def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def _row_of(key: OffloadKey) -> float:
+    """The value a key's block holds in the shared-root test (all its floats)."""
+    return float(int.from_bytes(sha256(key)[:2], "big"))
+
+
+def _engine_on_shared_root(root, engine, rounds, first_round, kill_in, report):
+    """One engine of test_engines_on_one_root_survive_one_killed_mid_store (a
+    process of its own): stores prompts of a shared head and chunks of its
+    own, 8 keys a job, looks them up and loads them back, and reports per
+    round its budget's bytes and the loads whose bytes were wrong. With
+    kill_in, the store of that round writes half its files, reports
+    "storing" and waits to be killed."""
+    rows = _page_aligned_zero_tensor(16, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(root, rows, group_tokens=(16,), max_bytes=8 * page)
+    store = fs_manager.batch_store_block
+
+    def half_then_hang(paths, view, offsets, *args):
+        store(paths[: len(paths) // 2], view, offsets[: len(offsets) // 2], *args)
+        report.send((engine, "storing"))
+        time.sleep(600)
+
+    try:
+        assert tier._budget.scan_done.wait(60)
+        for r in range(first_round, first_round + rounds):
+            head = [block_key(i) for i in range(4)]
+            own = [block_key(10000 * engine + 10 * r + i) for i in range(4)]
+            keys = head + own
+            for i, k in enumerate(keys):
+                rows[i] = _row_of(k)
+            if r == kill_in:
+                fs_manager.batch_store_block = half_then_hang
+            ctx = prompt_ctx(f"e{engine}-r{r}", keys)
+            tier.submit_store(TransferJob(r, keys, np.arange(8), False, ctx))
+            drain(tier)
+            found = lookup_and_wait(tier, keys, ctx)
+            hits = [k for k, f in zip(keys, found) if f is LookupResult.HIT]
+            tier.on_schedule_end(ScheduleEndContext((), ()))
+            rows[8:] = 0.0
+            loaded = set(hits)
+            if hits:
+                slots = list(range(8, 8 + len(hits)))
+                tier.submit_load(make_job(1000 + r, hits, slots, True))
+                (result,) = drain(tier)
+                if not result.success:
+                    loaded = set(result.successful_keys or ())
+            wrong = [
+                k.hex()
+                for i, k in enumerate(hits)
+                if k in loaded and not bool((rows[8 + i] == _row_of(k)).all())
+            ]
+            report.send((engine, r, tier._budget.used, wrong))
+    finally:
+        tier.shutdown()
+
+
+def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path):
+    """Three engines (processes) share one root, each with a budget of 8
+    files: they store overlapping prompts (a shared head, chunks of their
+    own) in rounds, look them up and load them back. One is killed
+    (SIGKILL) in the middle of a store, after half its files, and started
+    again on the root. No load returns wrong bytes, every file on the root
+    holds its key's bytes, each engine's budget holds after every round,
+    and the root holds at most the sum of the budgets."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    root = str(tmp_path / "fs")
+    page = _page_aligned_zero_tensor(1, _ROW_ELEMENTS).numpy().nbytes
+    reports = []  # one pipe per process: a killed one holds no shared lock
+
+    def start(engine, rounds, first_round=0, kill_in=-1):
+        received, sent = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_engine_on_shared_root,
+            args=(root, engine, rounds, first_round, kill_in, sent),
+        )
+        p.start()
+        reports.append(received)
+        return p
+
+    procs = [start(0, 6), start(1, 6), start(2, 6, kill_in=2)]
+    rounds: list = []
+    try:
+        assert reports[2].poll(120), "engine 2 never reached its store"
+        while (item := reports[2].recv()) != (2, "storing"):
+            rounds.append(item)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].join(30)
+        procs.append(start(2, 3, first_round=3))
+        for p, received in zip(procs, reports):
+            p.join(240)  # what it sent is small: in the pipe's buffer
+            with contextlib.suppress(EOFError):  # all read
+                while p.exitcode == 0:
+                    rounds.append(received.recv())
+        assert [p.exitcode for p in procs] == [0, 0, -signal.SIGKILL, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    done = sorted((e, r) for e, r, _, _ in rounds)
+    assert done == sorted(
+        [(e, r) for e in (0, 1) for r in range(6)]
+        + [(2, 0), (2, 1)]
+        + [(2, r) for r in range(3, 6)]
+    )
+    assert all(used <= 8 * page for _, _, used, _ in rounds), rounds
+    assert not [w for _, _, _, w in rounds if w], rounds
+    files = 0
+    for d, _, names in os.walk(root):
+        for name in names:
+            if not name.endswith(".bin"):
+                continue
+            files += 1
+            data = np.fromfile(os.path.join(d, name), dtype=np.float32)
+            key = make_offload_key(bytes.fromhex(name[:-4]), 0)
+            assert data.size == _ROW_ELEMENTS and (data == _row_of(key)).all(), name
+    assert 0 < files <= 3 * 8
+
+
+# ---------------------------------------------------------------------------
+# The budget alone (FsTierBudget), as the tier's threads call it
+# ---------------------------------------------------------------------------
+
+
+def _budget_on(root: str, max_files: int, wait_scan: bool = True):
+    """An FsTierBudget over real files of 4 KiB under root, 16 tokens a
+    chunk, and the path of a key's file."""
+    from vllm.v1.kv_offload.tiering.fs.budget import FsTierBudget
+
+    def chunk_path(h: bytes, g: int) -> str:
+        hex_h = h.hex()
+        return os.path.join(root, hex_h[:3], f"{hex_h[3:5]}_g{g}", f"{hex_h}.bin")
+
+    def path_of(key: OffloadKey) -> str:
+        return chunk_path(key[:-4], 0)
+
+    budget = FsTierBudget(
+        max_files * 4096, [4096], root, path_of, chunk_path, "test tier", {0: 16}
+    )
+    assert not wait_scan or budget.scan_done.wait(30)
+    return budget, path_of
+
+
+def _write_files(path_of, keys) -> None:
+    for k in keys:
+        os.makedirs(os.path.dirname(path_of(k)), exist_ok=True)
+        with open(path_of(k), "wb") as f:
+            f.write(b"\0" * 4096)
+
+
+def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
+    """A store is submitted, then lookup() finds an old chunk and its load
+    is submitted, then the store's task runs: the store must not evict the
+    chunk lookup() answered as a hit (its load would fail); it evicts
+    another one."""
+    budget, path_of = _budget_on(str(tmp_path), 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    try:
+        for i, k in enumerate(keys):  # full: four one-chunk prompts
+            job = budget.admit_store([k], f"r{i}", {k: 16})
+            budget.admitted(job)
+            _write_files(path_of, [k])
+            budget.finish_job(job, [])
+        new = make_offload_key(bytes([9]) * 32, 0)
+        job = budget.admit_store([new], "writer", {new: 16})
+        assert budget.on_hit(keys[0], "reader", {keys[0]: 16})  # the oldest
+        load = budget.pin_load([keys[0]])
+        _, _, evicted = budget.admitted(job)
+        assert [h for h, _ in evicted] == [keys[1][:-4]]
+        budget.finish_job(load, [])
+    finally:
+        budget.shutdown()
+
+
+def test_a_restart_after_a_crash_keeps_prompt_heads(tmp_path):
+    """The second store job of a prompt is written and the engine stops
+    before the job is collected (a crash): its files already carry their
+    order times, so a restart with room for two of the four files keeps the
+    prompt's head, not its tail."""
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 64)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    positions = {k: 16 * (i + 1) for i, k in enumerate(keys)}
+    try:
+        for part in (keys[:2], keys[2:]):
+            job = budget.admit_store(part, "req", positions)
+            budget.admitted(job)
+            _write_files(path_of, part)
+            budget.written(job, part)
+        # no finish_job() for the second job: the engine stops here
+    finally:
+        budget.shutdown()
+    budget, _ = _budget_on(root, 2)
+    budget.shutdown()
+    assert [os.path.exists(path_of(k)) for k in keys] == [True, True, False, False]
+
+
+def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatch):
+    """lookup() finds a file of an earlier run before the start-up scan
+    indexed it and its load is submitted: the scan's trim to max_bytes
+    removes other files, not the one being loaded."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 64)
+    budget.shutdown()
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 5)]
+    _write_files(path_of, keys)
+    now = time.time_ns()
+    for i, k in enumerate(keys):  # keys[0] the oldest
+        os.utime(path_of(k), ns=(now - 10**9 * (4 - i),) * 2)
+    gate = threading.Event()
+    scan = budget_module.FsTierBudget._scan
+    monkeypatch.setattr(
+        budget_module.FsTierBudget, "_scan", lambda b: (gate.wait(30), scan(b))
+    )
+    budget, _ = _budget_on(root, 3, wait_scan=False)
+    try:
+        assert budget.on_hit(keys[0], "r", {keys[0]: 16})
+        load = budget.pin_load([keys[0]])
+        budget.end_step()
+        with budget._lock:
+            budget._apply()
+        gate.set()
+        assert budget.scan_done.wait(30)
+        assert os.path.exists(path_of(keys[0]))
+        assert sum(os.path.exists(path_of(k)) for k in keys) == 3
+        budget.finish_job(load, [])
+    finally:
+        gate.set()
+        budget.shutdown()
 
 
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])

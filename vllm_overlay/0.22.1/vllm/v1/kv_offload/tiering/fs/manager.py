@@ -757,13 +757,10 @@ class FileSystemTierManager(SecondaryTierManager):
             return False
         budget = self._budget
         if budget is not None:
-            # kept until the promotion the tiering manager submits for it;
-            # posted first: an eviction racing with this lookup either sees
-            # the hit or has marked the chunk removing (a miss)
+            # pinned until the promotion the tiering manager submits for it,
+            # or evicted already: its file is about to be removed (a miss)
             ctx = req_context or _NO_REQUEST
-            budget.on_hit(key, ctx.req_id, ctx.offload_key_positions())
-            if budget.is_removing(key):
-                return False  # evicted: its file is about to be removed
+            return budget.on_hit(key, ctx.req_id, ctx.offload_key_positions())
         return True
 
     def _reprobe_direct_io(self) -> None:
@@ -829,6 +826,7 @@ class FileSystemTierManager(SecondaryTierManager):
             self._chmod_files,
             gf.runs,
         )
+        self._budget.written(job, (key,))
 
     def _reject(self, key: OffloadKey) -> None:
         # reported by the budget's rejection warning, not as a failed write

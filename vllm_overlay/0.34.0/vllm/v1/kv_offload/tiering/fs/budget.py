@@ -26,9 +26,10 @@ Threads and what they own:
       budget thread.
     - _lock guards the index and the counters; it is never held across a
       filesystem call.
-    - _removing_lock guards _removing, which lookup() reads on the scheduler
-      thread: held for a few set operations at a time.
-    - _recalled is the scheduler thread's own.
+    - _removing_lock guards _removing and _hit_pins (lookup()'s pins),
+      which the scheduler thread reads and writes on every hit: held for a
+      few dict operations, or one eviction's pick of its victims.
+    - _recalled and _step_hits are the scheduler thread's own.
 
 Invariants:
     - Prefix order: for every prompt, a chunk's order time is at least that
@@ -64,6 +65,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from itertools import islice
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
@@ -221,7 +223,10 @@ class FsTierBudget:
         self._heap: list[tuple[int, bytes]] = []
         self._pins: dict[bytes, int] = {}
         self._hash_of: dict[bytes, bytes] = {}
-        self._step_pins: list[bytes] = []
+        # lookup()'s pins of the steps not ended (scheduler thread and
+        # eviction, under _removing_lock); the current step's hits
+        self._hit_pins: dict[bytes, int] = {}
+        self._step_hits: list[bytes] = []
         self._requests: OrderedDict[str, _Request] = OrderedDict()
         self._tracked = 0  # keys in _requests
         self._events: deque[tuple] = deque()
@@ -241,6 +246,8 @@ class FsTierBudget:
         self._warned = (0, 0)
         self._next_report = self._next_warning = 0.0
         self._warning_lock = threading.Lock()
+        self._errors = 0  # the budget thread's failures
+        self._next_error_report = 0.0
 
         self._wake = threading.Event()
         self._stop = False
@@ -254,14 +261,21 @@ class FsTierBudget:
 
     def on_hit(
         self, key: OffloadKey, req_id: str, positions: Mapping[OffloadKey, int]
-    ) -> None:
-        """lookup() found the key's file: pinned until the end of the step
-        (by then its promotion is pinned). Posted before lookup() checks
-        is_removing(): an eviction marks its victims removing before it
-        applies the hits posted after, so a racing lookup() keeps the chunk
-        or answers a miss."""
+    ) -> bool:
+        """lookup() found the key's file. Returns whether it stays: pinned
+        here at once, until the end of the step (by then its promotion is
+        pinned), unless an eviction marked it removing (a miss: its load
+        would fail). Eviction picks and marks its victims under the same
+        lock, so a chunk is either pinned first or a miss."""
+        h = self._cid(key[:-4])
+        with self._removing_lock:
+            if h in self._removing:
+                return False
+            self._hit_pins[h] = self._hit_pins.get(h, 0) + 1
+        self._step_hits.append(h)
         self._recall(req_id, positions)
         self._events.append((_HIT, key, req_id, positions.get(key)))
+        return True
 
     def forget_request(self, req_id: str) -> None:
         """The request finished: no store of it follows."""
@@ -276,22 +290,24 @@ class FsTierBudget:
     ) -> Admission:
         """A store job's admission, decided by its task (see admitted()).
         positions: every key of the request the scheduler recorded an
-        end-token position of, read here only; copied whole when it doubled
-        since the last copy (a prefix another tier served is in no event of
-        this tier): amortized O(1) per key."""
+        end-token position of, read here only (see _recall())."""
         job = Admission(keys, req_id, [positions.get(k) for k in keys])
         self._recall(req_id, positions)
         self._events.append((_ADMIT, job))
         return job
 
     def _recall(self, req_id: str, positions: Mapping[OffloadKey, int]) -> None:
-        """Post a copy of the request's recorded positions when they doubled
-        since the last copy: amortized O(1) per key."""
-        if positions and len(positions) >= 2 * self._recalled.get(req_id, 0):
+        """Post the request's positions recorded since the last call (a
+        prefix another tier served is in no event of this tier). The
+        scheduler only adds to them, in order: O(new keys)."""
+        last = self._recalled.get(req_id, 0)
+        if len(positions) > last:
             if len(self._recalled) >= MAX_RECALLED_REQUESTS:
                 self._recalled.clear()  # bounded; a request copied again is correct
+                last = 0
+            new = dict(islice(reversed(positions.items()), len(positions) - last))
             self._recalled[req_id] = len(positions)
-            self._events.append((_RECALL, req_id, dict(positions)))
+            self._events.append((_RECALL, req_id, new))
 
     def pin_load(self, keys: Collection[OffloadKey]) -> Admission:
         """A load job's chunks, pinned until finish_job()."""
@@ -305,9 +321,10 @@ class FsTierBudget:
         self._events.append((_FINISH, job, list(failed)))
 
     def end_step(self) -> None:
-        """on_schedule_end(): lookup()'s pins of the step are dropped (its
-        promotions are pinned by now)."""
-        self._events.append((_STEP,))
+        """on_schedule_end(): lookup()'s pins of the step are dropped once
+        the events before this one (its promotions' pins) are applied."""
+        self._events.append((_STEP, self._step_hits))
+        self._step_hits = []
         if len(self._events) > MAX_EVENTS:
             self._wake.set()
 
@@ -327,6 +344,21 @@ class FsTierBudget:
                 for h in taken:
                     self._settle(h, _KEYS_TAKEN)
         return out
+
+    def written(self, job: Admission, keys: Iterable[OffloadKey]) -> None:
+        """A store task wrote these keys' files (on its I/O thread): they get
+        their chunks' order times now, so that a restart after a crash reads
+        the order back."""
+        with self._lock:
+            times = []
+            for k in keys:
+                h = self._cid(k[:-4])
+                chunk = self._chunks.get(h)
+                if chunk is not None:
+                    times.append((h, int.from_bytes(k[-4:], "big"), chunk[0]))
+        for h, g, t in times:
+            with contextlib.suppress(OSError):  # removed since
+                os.utime(self._chunk_path(h, g), ns=(t, t), follow_symlinks=False)
 
     def is_removing(self, key: OffloadKey) -> bool:
         """lookup(): the key's chunk was evicted and is not gone yet (a miss:
@@ -405,9 +437,11 @@ class FsTierBudget:
             elif kind == _ADMIT:
                 self._admit(event[1])
             elif kind == _STEP:
-                for h in self._step_pins:
-                    self._unpin(h)
-                self._step_pins.clear()
+                with self._removing_lock:
+                    for h in event[1]:
+                        n = self._hit_pins.pop(h)
+                        if n > 1:
+                            self._hit_pins[h] = n - 1
             elif kind == _FINISH:
                 self._finish(event[1], event[2])
             elif kind == _FORGET:
@@ -480,8 +514,6 @@ class FsTierBudget:
             self._raise(h, self._order(req, key, position))
             if position is not None:
                 self._raise_prefix(req, key, position)
-            self._pins[h] = self._pins.get(h, 0) + 1
-            self._step_pins.append(h)
         elif key not in req.found:  # another engine's file, or not indexed yet
             req.found.add(key)
             self._tracked += 1
@@ -526,8 +558,6 @@ class FsTierBudget:
         # full-attention keys first, each in prompt order: a key is written
         # only if what it needs is on disk or written before it
         pairs.sort(key=lambda kp: (kp[0][-4:] not in self._prefix, kp[1] or 0))
-        with self._removing_lock:
-            removing = {self._cid(k[:-4]) for k, _ in pairs} & self._removing.keys()
         coming: set[OffloadKey] = set()
         rejected: set[OffloadKey] = set()
         unreachable: set[OffloadKey] = set()
@@ -535,7 +565,9 @@ class FsTierBudget:
         for key, position in pairs:
             h = self._cid(key[:-4])
             before = self._needs(req, key, position)
-            if h in removing or (
+            with self._removing_lock:  # evicted, also by this job's keys before
+                removing = h in self._removing
+            if removing or (
                 before is not None
                 and before[0] not in coming
                 and not self._has_file(req, *before)
@@ -618,12 +650,13 @@ class FsTierBudget:
         order, groups = self._chunks[h]
         self._chunks[h] = (order, groups | bit)
         self.used += self._bytes(bit)
+        self._dirty.add(h)  # its file has an older time
         return True
 
     def _pin_chunk(self, job: Admission, h: bytes) -> None:
-        if h in self._chunks:
-            self._pins[h] = self._pins.get(h, 0) + 1
-            job.pinned.append(h)
+        """Indexed or not (a file the start-up scan has not reached)."""
+        self._pins[h] = self._pins.get(h, 0) + 1
+        job.pinned.append(h)
 
     def _unpin(self, h: bytes) -> None:
         n = self._pins.pop(h, 0)
@@ -652,8 +685,6 @@ class FsTierBudget:
                 self.used -= self._bytes(bit)
         for h in job.pinned:
             self._unpin(h)
-        if job.positions is not None:
-            self._dirty.update(job.added)  # written: their times go on them
 
     def _evict(
         self, need: int, floor: int = 0, older_than: int | None = None
@@ -663,35 +694,33 @@ class FsTierBudget:
         evicted: Evicted = []
         skipped: list[tuple[int, bytes]] = []
         heap = self._heap
-        while need > 0 and heap:
-            if older_than is not None and heap[0][0] >= older_than:
-                break
-            t, h = heapq.heappop(heap)
-            chunk = self._chunks.get(h)
-            if chunk is None or chunk[0] != t:
-                continue  # stale: raised since, or gone
-            if h in self._pins or not chunk[1]:
-                skipped.append((t, h))
-                continue
-            size = self._bytes(chunk[1])
-            if self.used - size < floor:
-                skipped.append((t, h))
-                break
-            del self._chunks[h]
-            self._dirty.discard(h)
-            self.used -= size
-            self.evicted_files += chunk[1].bit_count()
-            need -= size
-            evicted.append((h, chunk[1]))
+        # victims are picked and marked removing under the lock lookup()'s
+        # pins take: a chunk is pinned first or a miss
+        with self._removing_lock:
+            while need > 0 and heap:
+                if older_than is not None and heap[0][0] >= older_than:
+                    break
+                t, h = heapq.heappop(heap)
+                chunk = self._chunks.get(h)
+                if chunk is None or chunk[0] != t:
+                    continue  # stale: raised since, or gone
+                if h in self._pins or h in self._hit_pins or not chunk[1]:
+                    skipped.append((t, h))
+                    continue
+                size = self._bytes(chunk[1])
+                if self.used - size < floor:
+                    skipped.append((t, h))
+                    break
+                del self._chunks[h]
+                self._dirty.discard(h)
+                self._removing[h] = 0
+                self.used -= size
+                self.evicted_files += chunk[1].bit_count()
+                need -= size
+                evicted.append((h, chunk[1]))
         for entry in skipped:
             heapq.heappush(heap, entry)
-        if len(heap) > 2 * len(self._chunks) + SCAN_BATCH:
-            self._heap = [(c[0], h) for h, c in self._chunks.items()]
-            heapq.heapify(self._heap)
         if evicted:
-            with self._removing_lock:
-                for h, _ in evicted:
-                    self._removing[h] = 0
             for h, groups in evicted:
                 self._evicted_keys.append((h, self._keys_of(h, groups)))
         return evicted
@@ -725,24 +754,42 @@ class FsTierBudget:
         while not self._stop:
             self._wake.wait(BUDGET_INTERVAL_S)
             self._wake.clear()
+            try:
+                self._tick()
+            except Exception as e:  # reported, rate-limited; the next tick retries
+                self._errors += 1
+                if time.monotonic() >= self._next_error_report:
+                    self._next_error_report = time.monotonic() + REPORT_INTERVAL_S
+                    logger.exception(
+                        "%s: the budget thread failed %d time(s) since start: %s",
+                        self._label,
+                        self._errors,
+                        e,
+                    )
+
+    def _tick(self) -> None:
+        """Apply the events, evict ahead, persist order times, report."""
+        with self._lock:
+            self._apply()
+            if len(self._heap) > 2 * len(self._chunks) + SCAN_BATCH:
+                self._heap = [(c[0], h) for h, c in self._chunks.items()]
+                heapq.heapify(self._heap)  # drop the stale entries
+            evicted: Evicted = []
+            if self.used > self.max_bytes * HIGH_WATER // 100:
+                low = self.max_bytes * LOW_WATER // 100
+                evicted = self._evict(self.used - low, floor=low)
+                ahead = sum(self._bytes(g) for _, g in evicted)
+                self.unlinking += ahead  # stores count them until gone
+        if evicted:
+            self._remove(evicted)
             with self._lock:
-                self._apply()
-                evicted: Evicted = []
-                if self.used > self.max_bytes * HIGH_WATER // 100:
-                    low = self.max_bytes * LOW_WATER // 100
-                    evicted = self._evict(self.used - low, floor=low)
-                    ahead = sum(self._bytes(g) for _, g in evicted)
-                    self.unlinking += ahead  # stores count them until gone
-            if evicted:
-                self._remove(evicted)
-                with self._lock:
-                    self.unlinking -= ahead
-            self._persist_times()
-            now = time.monotonic()
-            if now >= self._next_report:
-                self._report()
-            if now >= self._next_warning:
-                self._warn_rejections()
+                self.unlinking -= ahead
+        self._persist_times()
+        now = time.monotonic()
+        if now >= self._next_report:
+            self._report()
+        if now >= self._next_warning:
+            self._warn_rejections()
 
     def _persist_times(self) -> None:
         """Set the files of chunks whose order time changed to it (their
@@ -754,9 +801,13 @@ class FsTierBudget:
             if chunk is None:
                 continue
             for g in _groups_of(chunk[1]):
-                # removed since, or not written yet (its store's end sets it)
+                # removed since, or not written yet (its store sets it)
                 with contextlib.suppress(OSError):
-                    os.utime(self._chunk_path(h, g), ns=(chunk[0], chunk[0]))
+                    os.utime(
+                        self._chunk_path(h, g),
+                        ns=(chunk[0], chunk[0]),
+                        follow_symlinks=False,
+                    )
 
     def _scan(self) -> None:
         """Index the rank directory's block files (their order times are

@@ -837,11 +837,10 @@ class FileSystemTierManager(SecondaryTierManager):
         if result is None:
             return LookupResult.RETRY
         if result and budget is not None:
-            # kept until the promotion the tiering manager submits for it;
-            # posted first: an eviction racing with this lookup either sees
-            # the hit or has marked the chunk removing (a miss)
-            budget.on_hit(key, req_context.req_id, req_context.offload_key_positions())
-            if budget.is_removing(key):
+            # pinned until the promotion the tiering manager submits for it,
+            # or evicted already (a miss)
+            positions = req_context.offload_key_positions()
+            if not budget.on_hit(key, req_context.req_id, positions):
                 return LookupResult.MISS
         return LookupResult.HIT if result else LookupResult.MISS
 
@@ -895,6 +894,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 k for k, p in zip(keys, paths) if not is_block_path(p)
             ]
             raise
+        self._budget.written(admission, keys)
         if rejected:
             # what it wrote is stored (same hand-off as _budget_written)
             self._budget_refused.add(job_id)
