@@ -16,6 +16,7 @@ settings are refused.
 """
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -863,6 +864,143 @@ def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatc
     finally:
         gate.set()
         budget.shutdown()
+
+
+def _engine_on_shared_root(root, engine, rounds, first_round, kill_in, report):
+    """One engine of test_engines_on_one_root_survive_one_killed_mid_store (a
+    process of its own): stores prompts of a shared head and chunks of its
+    own, 8 keys a job, looks them up and loads them back, and reports per
+    round its budget's bytes and the loads whose bytes were wrong. With
+    kill_in, the store of that round writes half its files, reports
+    "storing" and waits to be killed."""
+    from vllm.v1.kv_offload import file_mapper
+
+    # the mock config's values differ between processes (reprs with ids):
+    # one model identity for all, as engines of one model have
+    file_mapper.describe_kv_values = lambda source: {"model": "test-model"}
+    rows = _aligned_rows(16)
+    page = rows.shape[1]
+    tier = make_tier(root, rows, max_bytes=8 * page)
+    store = fs_manager.store_block
+    calls, said = itertools.count(), threading.Lock()
+
+    def half_then_hang(*args):
+        if next(calls) >= 4:
+            if said.acquire(blocking=False):
+                report.send((engine, "storing"))
+            time.sleep(600)
+        return store(*args)
+
+    try:
+        assert tier._budget.scan_done.wait(60)
+        for r in range(first_round, first_round + rounds):
+            head = [key(i) for i in range(4)]
+            own = [key(10000 * engine + 10 * r + i) for i in range(4)]
+            keys = head + own
+            for i, k in enumerate(keys):
+                rows[i] = block_bytes(k, page)
+            if r == kill_in:
+                fs_manager.store_block = half_then_hang
+            ctx = prompt_ctx(f"e{engine}-r{r}", keys)
+            tier.submit_store(prompt_job(r, keys, ctx))
+            _finish(tier)
+            hits = [k for k in keys if tier.lookup(k, ctx)]
+            rows[8:] = 0
+            loaded = set(hits)
+            if hits:
+                slots = list(range(8, 8 + len(hits)))
+                tier.submit_load(make_job(1000 + r, hits, slots, is_promotion=True))
+                (result,) = _finish(tier)
+                if not result.success:
+                    loaded = set(result.successful_keys or ())
+            tier.get_finished()  # the step ends
+            wrong = [
+                k.hex()
+                for i, k in enumerate(hits)
+                if k in loaded and not np.array_equal(rows[8 + i], block_bytes(k, page))
+            ]
+            report.send((engine, r, tier._budget.used, wrong))
+    finally:
+        tier.shutdown()
+
+
+def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path, monkeypatch):
+    """Three engines (processes) share one root, each with a budget of 8
+    files: they store overlapping prompts (a shared head, chunks of their
+    own) in rounds, look them up and load them back. One is killed
+    (SIGKILL) in the middle of a store, after half its files, and started
+    again on the root. No load returns wrong bytes, every file on the root
+    loads its key's bytes, each engine's budget holds after every round,
+    and the root holds at most the sum of the budgets."""
+    import multiprocessing
+    import signal
+
+    # one layout for all: the same hash seed (the block hashes' NONE_HASH)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    ctx = multiprocessing.get_context("spawn")
+    root = str(tmp_path / "fs")
+    page = _aligned_rows(1).shape[1]
+    reports = []  # one pipe per process: a killed one holds no shared lock
+
+    def start(engine, rounds, first_round=0, kill_in=-1):
+        received, sent = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_engine_on_shared_root,
+            args=(root, engine, rounds, first_round, kill_in, sent),
+        )
+        p.start()
+        reports.append(received)
+        return p
+
+    procs = [start(0, 6), start(1, 6), start(2, 6, kill_in=2)]
+    rounds: list = []
+    try:
+        assert reports[2].poll(120), "engine 2 never reached its store"
+        while (item := reports[2].recv()) != (2, "storing"):
+            rounds.append(item)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].join(30)
+        procs.append(start(2, 3, first_round=3))
+        for p, received in zip(procs, reports):
+            p.join(240)  # what it sent is small: in the pipe's buffer
+            with contextlib.suppress(EOFError):  # all read
+                while p.exitcode == 0:
+                    rounds.append(received.recv())
+        assert [p.exitcode for p in procs] == [0, 0, -signal.SIGKILL, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    done = sorted((e, r) for e, r, _, _ in rounds)
+    expected = [(e, r) for e in (0, 1) for r in range(6)]
+    expected += [(2, 0), (2, 1)] + [(2, r) for r in range(3, 6)]
+    assert done == sorted(expected)
+    assert all(used <= 8 * page for _, _, used, _ in rounds), rounds
+    assert not [w for _, _, _, w in rounds if w], rounds
+    # one layout: the engines shared their files
+    assert len([n for n in os.listdir(root) if n.endswith("_r0")]) == 1
+    on_disk = [
+        make_offload_key(bytes.fromhex(name[:-4]), 0)
+        for _, _, names in os.walk(root)
+        for name in names
+        if name.endswith(".bin")
+    ]
+    assert 0 < len(on_disk) <= 3 * 8
+    from vllm.v1.kv_offload import file_mapper
+
+    monkeypatch.setattr(
+        file_mapper, "describe_kv_values", lambda source: {"model": "test-model"}
+    )
+    rows = _aligned_rows(len(on_disk))
+    tier = make_tier(root, rows)  # no budget: loads what is there
+    try:
+        tier.submit_load(make_job(0, on_disk, list(range(len(on_disk))), True))
+        (result,) = _finish(tier)
+        assert result.success
+        for i, k in enumerate(on_disk):
+            np.testing.assert_array_equal(rows[i], block_bytes(k, page))
+    finally:
+        tier.shutdown()
 
 
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])

@@ -1208,7 +1208,7 @@ def _engine_on_shared_root(root, engine, rounds, first_round, kill_in, report):
         tier.shutdown()
 
 
-def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path):
+def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path, monkeypatch):
     """Three engines (processes) share one root, each with a budget of 8
     files: they store overlapping prompts (a shared head, chunks of their
     own) in rounds, look them up and load them back. One is killed
@@ -1219,6 +1219,8 @@ def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path):
     import multiprocessing
     import signal
 
+    # one layout for all: the same hash seed (the block hashes' NONE_HASH)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
     ctx = multiprocessing.get_context("spawn")
     root = str(tmp_path / "fs")
     page = _page_aligned_zero_tensor(1, _ROW_ELEMENTS).numpy().nbytes
@@ -1261,6 +1263,8 @@ def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path):
     )
     assert all(used <= 8 * page for _, _, used, _ in rounds), rounds
     assert not [w for _, _, _, w in rounds if w], rounds
+    # one layout: the engines shared their files
+    assert len([n for n in os.listdir(root) if n.endswith("_r0")]) == 1
     files = 0
     for d, _, names in os.walk(root):
         for name in names:
