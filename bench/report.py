@@ -993,6 +993,64 @@ def reach_section(d: dict | None, goals: Goals) -> list[str]:
     return out
 
 
+def fmt_frac(max_bytes: int, w: dict) -> str:
+    """max_bytes as S or S / k."""
+    k = w["budget_files"] * w["file_bytes"] // max_bytes
+    return "S" if k == 1 else f"S / {k}"
+
+
+def shared_root_section(d: dict | None, goals: Goals) -> list[str]:
+    """N engines on one root (issue 35): one max_bytes for the root vs a budget per engine."""
+    name = "issue 35, N engines on one root: one budget keeps >= 80% of it, unreachable <= 5%"
+    out = ["### 3b.2 N engines on one root: one budget for the root (issue 35)", ""]
+    if d is None or "skipped" in d:
+        why = "shared_root.py did not run" if d is None else d["skipped"]
+        out.append(f"Not measured: {why}.")
+        goals.add(name, None, why)
+        return out
+    w = d["workload"]
+    out += [
+        f"N engines (processes), each an FsTierBudget (vLLM files {d['fingerprint']['digest']}) "
+        f"over one root of real {w['file_bytes'] >> 10} KiB files, driven as the tier drives it: "
+        f"{w['requests_per_engine']} requests per engine, each {w['head_chunks']} chunks of one "
+        f"of {w['heads']} shared heads and {w['tail_chunks']} of its own, looked up in prompt "
+        "order, the rest stored in one job. S = "
+        f"{w['budget_files']} files. One budget: max_bytes = S on every engine (ledgers read "
+        f"every tick, the root listed at most every {w['rescan_s']} s); a budget per engine: "
+        "max_bytes = S / N each (what an operator had to set) and S each (settings unchanged as N "
+        "grows), the budget before this one. Utilization: the root's bytes over S, every "
+        "0.1 s once it reached 80%; unreachable: the share of the root's files past a missing "
+        "chunk of their prompt, every 0.5 s (mean) and at the end.",
+        "",
+        "| N | budget | utilization, mean (min-max) | at the end | shared-head hit rate | "
+        "unreachable, mean (end) | store MB/s per engine | files refused |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def pct(x):
+        return "n/a" if x is None else f"{x:.0%}"
+
+    def pct1(x):
+        return "n/a" if x is None else f"{x:.1%}"
+
+    bad = []
+    for r in d["runs"]:
+        mbs = r["mb_s_per_engine"]
+        out.append(
+            f"| {r['n']} | {'one for the root' if r['one_budget'] else 'one per engine'}, "
+            f"max_bytes {fmt_frac(r['max_bytes_each'], w)} | "
+            f"{pct(r['util_mean'])} ({pct(r['util_min'])}-{pct(r['util_max'])}) | "
+            f"{pct(r['util_end'])} | {r['head_hit_rate']:.0%} | "
+            f"{pct1(r.get('unreachable_mean'))} ({pct1(r['unreachable'])}) | "
+            f"{sum(mbs) / len(mbs):.0f} | {r['rejected_files']} |"
+        )
+        unreachable = max(r.get("unreachable_mean") or 0, r["unreachable"] or 0)
+        if r["one_budget"] and ((r["util_mean"] or 0) < 0.8 or unreachable > 0.05):
+            bad.append(f"N={r['n']}")
+    goals.add(name, not bad, ("not met at " + ", ".join(bad)) if bad else "met at every N")
+    return out
+
+
 def runtime(total_s: float | None, sched: dict | None, disk: dict | None) -> str:
     """make bench's wall time, or (report.py run on its own) the sections' measured."""
     if total_s is not None:
@@ -1015,6 +1073,7 @@ def main() -> int:
     ap.add_argument("--budget", default=str(TMP / "budget.json"))
     ap.add_argument("--reach", default=str(TMP / "reach.json"))
     ap.add_argument("--layout", default=str(TMP / "layout.json"))
+    ap.add_argument("--shared-root", default=str(TMP / "shared-root.json"))
     ap.add_argument("--e2e", default="skipped")
     ap.add_argument(
         "--total-s",
@@ -1078,6 +1137,9 @@ def main() -> int:
     lines += budget_section(budget, goals) + [""]
     reach = json.loads(Path(args.reach).read_text()) if Path(args.reach).exists() else None
     lines += reach_section(reach, goals) + [""]
+    p_shared = Path(args.shared_root)
+    shared = json.loads(p_shared.read_text()) if p_shared.exists() else None
+    lines += shared_root_section(shared, goals) + [""]
     layout = json.loads(Path(args.layout).read_text()) if Path(args.layout).exists() else None
     lines += layout_section(layout, goals) + [""]
     lines += ["## 4. End to end on the CPU engine", "", args.e2e, ""]

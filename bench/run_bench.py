@@ -51,6 +51,7 @@ def main() -> int:
         "budget.json",
         "reach.json",
         "layout.json",
+        "shared-root.json",
     ):
         (TMP / old).unlink(missing_ok=True)
     say(
@@ -76,6 +77,7 @@ def main() -> int:
     step("budget_bench.py")
     step("budget_reach.py")
     step("layout_bytes.py")
+    step("shared_root.py")
     say("end to end on the CPU engine: " + E2E_SKIPPED)
     tag = ["--tag", os.environ["BENCH_TAG"]] if os.environ.get("BENCH_TAG") else []
     step("report.py", "--e2e", E2E_SKIPPED, "--total-s", f"{time.monotonic() - t0:.0f}", *tag)

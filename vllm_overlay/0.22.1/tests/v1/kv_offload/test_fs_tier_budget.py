@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -776,6 +777,17 @@ def _budget_on(root: str, max_files: int, wait_scan: bool = True):
     return budget, path_of
 
 
+def _store_one(budget, path_of, key: OffloadKey, req_id: str) -> None:
+    """One key's store job, as the tier's store task runs it."""
+    job = budget.admit_store([key], req_id, {key: 16})
+    rejected, unreachable, evicted = budget.admitted(job)
+    budget.remove_evicted(evicted)
+    written = [] if key in rejected or key in unreachable else [key]
+    _write_files(path_of, written)
+    budget.written(job, written)
+    budget.finish_job(job, [])
+
+
 def _write_files(path_of, keys) -> None:
     for k in keys:
         os.makedirs(os.path.dirname(path_of(k)), exist_ok=True)
@@ -801,7 +813,7 @@ def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
         assert budget.on_hit(keys[0], "reader", {keys[0]: 16})  # the oldest
         load = budget.pin_load([keys[0]])
         _, _, evicted = budget.admitted(job)
-        assert [h for h, _ in evicted] == [keys[1][:-4]]
+        assert [victim[0] for victim in evicted] == [keys[1][:-4]]
         budget.finish_job(load, [])
     finally:
         budget.shutdown()
@@ -845,9 +857,11 @@ def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatc
     for i, k in enumerate(keys):  # keys[0] the oldest
         os.utime(path_of(k), ns=(now - 10**9 * (4 - i),) * 2)
     gate = threading.Event()
-    scan = budget_module.FsTierBudget._scan
+    rescan = budget_module.FsTierBudget._rescan
     monkeypatch.setattr(
-        budget_module.FsTierBudget, "_scan", lambda b: (gate.wait(30), scan(b))
+        budget_module.FsTierBudget,
+        "_rescan",
+        lambda b, **kw: (gate.wait(30), rescan(b, **kw)),
     )
     budget, _ = _budget_on(root, 3, wait_scan=False)
     try:
@@ -1001,6 +1015,92 @@ def test_engines_on_one_root_survive_one_killed_mid_store(tmp_path, monkeypatch)
             np.testing.assert_array_equal(rows[i], block_bytes(k, page))
     finally:
         tier.shutdown()
+
+
+def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch):
+    """Two engines' budgets on one root, max_bytes four files each (the
+    root's budget). The first fills the root; the second counts its files
+    once it lists the root, and its own stores evict them (the oldest), not
+    its own; the first then forgets the files the second removed and counts
+    the second's: the root never holds more than four files."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    # raising=False: the test also runs on a budget without listings
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 4)
+    second, _ = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 9)]
+
+    def store(budget, key: OffloadKey, req_id: str) -> None:
+        _store_one(budget, path_of, key, req_id)
+
+    try:
+        for i, k in enumerate(keys[:4]):
+            store(first, k, f"a{i}")
+        wait_until(lambda: second.used == 4 * 4096, timeout_s=5)
+        for i, k in enumerate(keys[4:]):
+            store(second, k, f"b{i}")
+            assert len(block_files(root)) <= 4
+        assert [os.path.exists(path_of(k)) for k in keys] == [False] * 4 + [True] * 4
+        wait_until(lambda: first.used == 4 * 4096 and first.vanished_files == 4)
+        store(first, make_offload_key(bytes([9]) * 32, 0), "a4")
+        assert len(block_files(root)) == 4
+        assert not os.path.exists(path_of(keys[4]))  # the root's oldest
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, monkeypatch):
+    """Two engines' budgets on one root, max_bytes four files (the root's),
+    neither listing the root after its start: once the first stored four
+    files, the second counts them within a tick (the first's ledger), so
+    its store cannot take the root past max_bytes: refused, as no file it
+    indexed could make room."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    # raising=False: the test also runs on a budget without listings
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9, raising=False)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 4)
+    second, _ = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 6)]
+    try:
+        for i, k in enumerate(keys[:4]):
+            _store_one(first, path_of, k, f"a{i}")
+        wait_until(lambda: getattr(second, "others", 0) == 4 * 4096, timeout_s=5)
+        _store_one(second, path_of, keys[4], "b0")
+        assert len(block_files(root)) == 4
+        assert second.rejected_files == 1
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
+    """A ledger not rewritten for LEDGER_STALE_S (its engine died) is
+    removed at a listing, a live one is kept, and an engine removes its own
+    at shutdown: the ledgers are bounded by the engines alive or recently
+    dead."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05)
+    monkeypatch.setattr(budget_module, "LEDGER_STALE_S", 60.0)
+    root = str(tmp_path)
+    ledgers = os.path.join(root, budget_module.LEDGER_DIR)
+    os.makedirs(ledgers)
+    for name, age in (("dead", 3600), ("alive", 0)):
+        with open(os.path.join(ledgers, name), "wb") as f:
+            f.write(struct.pack("<qq", 8192, 0))
+        os.utime(os.path.join(ledgers, name), (time.time() - age,) * 2)
+    budget, _ = _budget_on(root, 4)
+    try:
+        wait_until(lambda: not os.path.exists(os.path.join(ledgers, "dead")))
+        assert len(os.listdir(ledgers)) == 2  # "alive" and the budget's own
+    finally:
+        budget.shutdown()
+    assert os.listdir(ledgers) == ["alive"]
 
 
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
@@ -1235,7 +1335,7 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
             with budget._lock:
                 assert 0 < budget._tracked <= 64
                 assert budget._tracked == sum(
-                    len(q.keys) + len(q.found) for q in budget._requests.values()
+                    len(q.keys) for q in budget._requests.values()
                 )
                 assert len(budget._chunks) <= 4
                 assert len(budget._heap) <= 2 * 4 + budget_module.SCAN_BATCH

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -1301,6 +1302,17 @@ def _budget_on(root: str, max_files: int, wait_scan: bool = True):
     return budget, path_of
 
 
+def _store_one(budget, path_of, key: OffloadKey, req_id: str) -> None:
+    """One key's store job, as the tier's store task runs it."""
+    job = budget.admit_store([key], req_id, {key: 16})
+    rejected, unreachable, evicted = budget.admitted(job)
+    budget.remove_evicted(evicted)
+    written = [] if key in rejected or key in unreachable else [key]
+    _write_files(path_of, written)
+    budget.written(job, written)
+    budget.finish_job(job, [])
+
+
 def _write_files(path_of, keys) -> None:
     for k in keys:
         os.makedirs(os.path.dirname(path_of(k)), exist_ok=True)
@@ -1326,7 +1338,7 @@ def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
         assert budget.on_hit(keys[0], "reader", {keys[0]: 16})  # the oldest
         load = budget.pin_load([keys[0]])
         _, _, evicted = budget.admitted(job)
-        assert [h for h, _ in evicted] == [keys[1][:-4]]
+        assert [victim[0] for victim in evicted] == [keys[1][:-4]]
         budget.finish_job(load, [])
     finally:
         budget.shutdown()
@@ -1370,9 +1382,11 @@ def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatc
     for i, k in enumerate(keys):  # keys[0] the oldest
         os.utime(path_of(k), ns=(now - 10**9 * (4 - i),) * 2)
     gate = threading.Event()
-    scan = budget_module.FsTierBudget._scan
+    rescan = budget_module.FsTierBudget._rescan
     monkeypatch.setattr(
-        budget_module.FsTierBudget, "_scan", lambda b: (gate.wait(30), scan(b))
+        budget_module.FsTierBudget,
+        "_rescan",
+        lambda b, **kw: (gate.wait(30), rescan(b, **kw)),
     )
     budget, _ = _budget_on(root, 3, wait_scan=False)
     try:
@@ -1389,6 +1403,92 @@ def test_a_load_of_a_file_the_scan_has_not_reached_keeps_it(tmp_path, monkeypatc
     finally:
         gate.set()
         budget.shutdown()
+
+
+def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch):
+    """Two engines' budgets on one root, max_bytes four files each (the
+    root's budget). The first fills the root; the second counts its files
+    once it lists the root, and its own stores evict them (the oldest), not
+    its own; the first then forgets the files the second removed and counts
+    the second's: the root never holds more than four files."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    # raising=False: the test also runs on a budget without listings
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 4)
+    second, _ = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 9)]
+
+    def store(budget, key: OffloadKey, req_id: str) -> None:
+        _store_one(budget, path_of, key, req_id)
+
+    try:
+        for i, k in enumerate(keys[:4]):
+            store(first, k, f"a{i}")
+        wait_until(lambda: second.used == 4 * 4096, timeout=5)
+        for i, k in enumerate(keys[4:]):
+            store(second, k, f"b{i}")
+            assert len(block_files(root)) <= 4
+        assert [os.path.exists(path_of(k)) for k in keys] == [False] * 4 + [True] * 4
+        wait_until(lambda: first.used == 4 * 4096 and first.vanished_files == 4)
+        store(first, make_offload_key(bytes([9]) * 32, 0), "a4")
+        assert len(block_files(root)) == 4
+        assert not os.path.exists(path_of(keys[4]))  # the root's oldest
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, monkeypatch):
+    """Two engines' budgets on one root, max_bytes four files (the root's),
+    neither listing the root after its start: once the first stored four
+    files, the second counts them within a tick (the first's ledger), so
+    its store cannot take the root past max_bytes: refused, as no file it
+    indexed could make room."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    # raising=False: the test also runs on a budget without listings
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9, raising=False)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 4)
+    second, _ = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 6)]
+    try:
+        for i, k in enumerate(keys[:4]):
+            _store_one(first, path_of, k, f"a{i}")
+        wait_until(lambda: getattr(second, "others", 0) == 4 * 4096, timeout=5)
+        _store_one(second, path_of, keys[4], "b0")
+        assert len(block_files(root)) == 4
+        assert second.rejected_files == 1
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
+    """A ledger not rewritten for LEDGER_STALE_S (its engine died) is
+    removed at a listing, a live one is kept, and an engine removes its own
+    at shutdown: the ledgers are bounded by the engines alive or recently
+    dead."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05)
+    monkeypatch.setattr(budget_module, "LEDGER_STALE_S", 60.0)
+    root = str(tmp_path)
+    ledgers = os.path.join(root, budget_module.LEDGER_DIR)
+    os.makedirs(ledgers)
+    for name, age in (("dead", 3600), ("alive", 0)):
+        with open(os.path.join(ledgers, name), "wb") as f:
+            f.write(struct.pack("<qq", 8192, 0))
+        os.utime(os.path.join(ledgers, name), (time.time() - age,) * 2)
+    budget, _ = _budget_on(root, 4)
+    try:
+        wait_until(lambda: not os.path.exists(os.path.join(ledgers, "dead")))
+        assert len(os.listdir(ledgers)) == 2  # "alive" and the budget's own
+    finally:
+        budget.shutdown()
+    assert os.listdir(ledgers) == ["alive"]
 
 
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
@@ -1634,7 +1734,7 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
                 drain(tier)
             assert 0 < budget._tracked <= 64
             assert budget._tracked == sum(
-                len(req.keys) + len(req.found) for req in budget._requests.values()
+                len(req.keys) for req in budget._requests.values()
             )
             if r % 2:
                 tier.on_request_finished(ctx)
@@ -1650,13 +1750,13 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
         tier.shutdown()
 
 
-def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
-    """The keys lookup() found on disk but not in the index (another
-    engine's files on a shared root: what a successor's store needs) are
-    bounded (MAX_TRACKED_KEYS, the least recently seen requests dropped
-    first) and dropped when a request finishes, also when several requests
-    found the same key; with a key_file, the block hashes the budget keeps
-    are one per indexed chunk at most."""
+def test_the_files_lookup_found_are_indexed_within_the_budget(tmp_path, monkeypatch):
+    """Files lookup() found that the budget had not indexed (another
+    engine's on a shared root) are indexed at the hit's order and counted
+    in max_bytes: the index stays within it, its mtimes say they are in
+    use, and the requests' keys stay bounded (MAX_TRACKED_KEYS) and are
+    dropped when a request finishes; with a key_file, the block hashes the
+    budget keeps are one per indexed chunk at most."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     monkeypatch.setattr(budget_module, "MAX_TRACKED_KEYS", 8)
@@ -1677,19 +1777,23 @@ def test_the_keys_lookup_found_are_bounded(tmp_path, monkeypatch):
             # overlapping requests: keys 2r .. 2r+3
             found = lookup_and_wait(tier, keys[2 * r : 2 * r + 4], ctx)
             assert found == [LookupResult.HIT] * 4
-            assert 0 < applied(budget)._tracked <= 8
-            assert budget._tracked == sum(
-                len(req.keys) + len(req.found) for req in budget._requests.values()
-            )
+            assert applied(budget)._tracked <= 8
             if r % 2:
                 tier.on_request_finished(ctx)
                 assert ctx.req_id not in applied(budget)._requests
+        tier.on_schedule_end(ScheduleEndContext((), ()))
         for ctx in contexts:
             tier.on_request_finished(ctx)
         assert applied(budget)._tracked == 0 and not budget._requests
-        assert not budget._chunks and not budget._hash_of
-        store_keys(tier, [block_key(100 + i) for i in range(3)], 30, rows)
-        assert len(applied(budget)._hash_of) == len(budget._chunks) == 3
+        assert len(budget._chunks) == len(budget._hash_of) == 18  # keys 0-17
+        assert budget.used == 18 * page
+        path = tier.file_mapper.get_file_name(keys[0])
+        wait_until(
+            lambda: (
+                os.stat(path).st_mtime_ns
+                == budget._chunks[budget._cid(keys[0][:-4])][0]
+            )
+        )
     finally:
         tier.shutdown()
         other.shutdown()

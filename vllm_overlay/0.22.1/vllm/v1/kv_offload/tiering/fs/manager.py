@@ -73,15 +73,17 @@ File modes (the tier config's "group_access", off by default):
     a miss, never read, written or removed through.
 
 Budget (the tier config's "max_bytes", unbounded by default):
-    The tier's files never exceed max_bytes by more than one store job: a
-    store evicts first, whole chunks (every group's file) of the least
-    recently used prefix tails, never a chunk with a transfer in flight; a
-    store that cannot fit fails for the keys that do not. Existing files are
-    indexed at start, in the background. See budget.py. The root's other
-    layouts (an earlier version's, another model's) are not counted: they
-    are named at start, for their owner to remove, least recently used
-    first, with how long ago (a running tier sets its layout directory's
-    mtime hourly), so that a layout nobody runs is told from a live one.
+    The layout's files on the root never exceed max_bytes by more than one
+    store job per engine: engines sharing the root share the budget (each
+    counts the others' stores through their ledgers). A store evicts first,
+    whole chunks (every group's file) of the least recently used prefix
+    tails, never a chunk with a transfer in flight; a store that cannot fit
+    fails for the keys that do not. Existing files are indexed at start,
+    in the background. See budget.py. The root's other layouts (an earlier
+    version's, another model's) are not counted: they are named at start,
+    for their owner to remove, least recently used first, with how long ago
+    (a running tier sets its layout directory's mtime hourly), so that a
+    layout nobody runs is told from a live one.
 
 File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
@@ -346,7 +348,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 key is another namespace. Replaces 'checksum'.
             max_bytes: the most bytes this tier's files may take on disk
                 (at least one chunk of every KV cache group); None: no limit.
-                Engines sharing root_dir each keep their own budget.
+                Engines sharing root_dir share it: set the same on each.
         """
         stale_s = cleanup_stale_tmp_after_seconds
         if stale_s is not None and (

@@ -13,9 +13,18 @@ Design principles:
       times. Evicting the oldest chunk first, every group's file of it at
       once, loses tails before heads, as vLLM's free-block queue does.
     - The order lives with the files. A chunk's order time is its files'
-      mtime (set by the budget thread once they are written), so a restart
-      reads it back with the directory listing: no journal, no state shared
-      between engines but the files.
+      mtime (set once they are written), so a restart reads it back with
+      the directory listing: no journal, no state shared between engines
+      but the files.
+    - One budget per root. max_bytes bounds the root's files of the layout,
+      whoever stored them. Each engine publishes the bytes it added and
+      removed in a ledger file of its own (_Ledgers) and reads the others'
+      every tick, so that it counts their stores within BUDGET_INTERVAL_S;
+      it lists the root again every few seconds, indexing the files other
+      engines stored and forgetting those they removed. Engines read the
+      same order from the same mtimes, so they evict the same oldest
+      chunks; an engine that stops or crashes leaves files, which the
+      others count and evict, and a ledger, which they stop reading.
     - The scheduler thread only posts. Its calls append events and read the
       chunks being removed: no filesystem call, no wait on eviction.
 
@@ -53,14 +62,20 @@ Invariants:
       budget thread is woken to apply them), the reports by
       REPORT_INTERVAL_S.
 
-Shared roots: each engine indexes the files it stored or found at its start,
-within its own budget; a file another engine removed is a miss (lookup()
-checks the file).
+Shared roots: the root's files may exceed max_bytes by one store job per
+engine and the others' stores of one BUDGET_INTERVAL_S (their ledgers are
+read once a tick). An engine evicts what it indexed: another engine's
+files from its last listing on. A file another engine removed is a miss
+(lookup() checks the file) until the next listing forgets it. Order times
+are wall-clock times: engines on several hosts need synchronized clocks.
 """
 
 import contextlib
 import heapq
 import os
+import socket
+import stat
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -93,12 +108,23 @@ REPORT_INTERVAL_S = 30.0
 # pause after each, so the scheduler thread's posts are applied meanwhile.
 SCAN_BATCH = 1024
 SCAN_PAUSE_S = 0.001
+# The root is listed again (other engines' stores and removals) after at
+# least ROOT_RESCAN_S, and after RESCAN_COST_FACTOR times the last listing's
+# duration: the listing takes at most 1/RESCAN_COST_FACTOR of the thread.
+ROOT_RESCAN_S = 2.0
+RESCAN_COST_FACTOR = 20
+# The engines' ledgers, in the rank directory; one of an engine that has
+# not listed the root for LEDGER_STALE_S (it crashed) is removed.
+LEDGER_DIR = "budget-ledgers"
+LEDGER_STALE_S = 3600.0
 # An evicted chunk leaves _removing once both happened.
 _KEYS_TAKEN, _FILES_GONE = 1, 2
 _HIT, _RECALL, _FORGET, _ADMIT, _STEP, _FINISH, _LOAD = range(7)
 
-# Evicted chunks: (chunk id, group bitmask of their files).
-Evicted = list[tuple[bytes, int]]
+# Evicted chunks: (chunk id, group bitmask of their files, order time).
+Evicted = list[tuple[bytes, int, int]]
+# An engine's ledger: the bytes of the files it added and removed.
+Ledger = tuple[int, int]
 
 
 class BudgetRejection(OSError):
@@ -133,15 +159,13 @@ class Admission:
 
 class _Request:
     """What the budget knows of a request: when it was first seen and its
-    keys by (end-token position, group suffix); the keys lookup() found on
-    disk for it (another engine's, or not indexed yet)."""
+    keys by (end-token position, group suffix)."""
 
-    __slots__ = ("time", "keys", "found")
+    __slots__ = ("time", "keys")
 
     def __init__(self) -> None:
         self.time = time.time_ns()
         self.keys: dict[tuple[int, bytes], OffloadKey] = {}
-        self.found: set[OffloadKey] = set()
 
 
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
@@ -232,6 +256,19 @@ class FsTierBudget:
         self._events: deque[tuple] = deque()
         # chunks whose order time is not on their files yet
         self._dirty: set[bytes] = set()
+        # while the root is listed: the chunks stored, evicted or found
+        # since the listing began, which it may have missed (see _rescan())
+        self._changed: set[bytes] | None = None
+        self.rescans = 0
+        self.adopted_files = self.vanished_files = 0  # other engines'
+        # this engine's block files since start: the bytes of those it
+        # stores (from their admission) and of those it removed (from their
+        # eviction)
+        self.added_bytes = self.removed_bytes = 0
+        # the root's bytes this index does not hold: the other engines' net
+        # stores since the last listing, less the files they removed from it
+        self.others = 0
+        self._ledgers = _Ledgers(rank_dir, label)
         # the scheduler thread's: req_id -> recorded positions last copied
         self._recalled: dict[str, int] = {}
         self._removing_lock = threading.Lock()
@@ -247,6 +284,7 @@ class FsTierBudget:
         self._next_report = self._next_warning = 0.0
         self._warning_lock = threading.Lock()
         self._errors = 0  # the budget thread's failures
+        self._next_rescan = 0.0
         self._next_error_report = 0.0
 
         self._wake = threading.Event()
@@ -373,6 +411,7 @@ class FsTierBudget:
         with self._lock:
             self._apply()
         self._persist_times()
+        self._ledgers.close()
         self._report(force=True)
         self._warn_rejections()
 
@@ -403,19 +442,28 @@ class FsTierBudget:
         self._remove(evicted)
 
     def _remove(self, evicted: Evicted) -> None:
-        errors, error = 0, ""
-        for h, groups in evicted:
+        errors, error, not_removed = 0, "", 0
+        for h, groups, t in evicted:
             for g in _groups_of(groups):
+                path = self._chunk_path(h, g)
                 try:
-                    os.remove(self._chunk_path(h, g))
+                    st = os.stat(path, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_mtime_ns > t:
+                        not_removed += self._bytes(1 << g)
+                        continue  # another engine's hit raised it: kept
+                    os.remove(path)
                 except FileNotFoundError:
-                    pass  # another engine removed it, or it was never written
+                    # another engine removed (and counted) it, or it was
+                    # never written
+                    not_removed += self._bytes(1 << g)
                 except OSError as e:
                     errors, error = errors + 1, str(e)
+                    not_removed += self._bytes(1 << g)
         with self._lock:
             self.removal_errors += errors
+            self.removed_bytes -= not_removed  # counted when evicted
         with self._removing_lock:
-            for h, _ in evicted:
+            for h, _, _ in evicted:
                 self._settle(h, _FILES_GONE)
         if errors and self._on_removal_errors is not None:
             self._on_removal_errors(errors, error)
@@ -447,7 +495,7 @@ class FsTierBudget:
             elif kind == _FORGET:
                 req = self._requests.pop(event[1], None)
                 if req is not None:
-                    self._tracked -= len(req.keys) + len(req.found)
+                    self._tracked -= len(req.keys)
             else:
                 job = event[1]
                 for h in {self._cid(k[:-4]) for k in job.keys}:
@@ -483,7 +531,7 @@ class FsTierBudget:
     def _bound_requests(self) -> None:
         while self._tracked > MAX_TRACKED_KEYS and len(self._requests) > 1:
             dropped = self._requests.popitem(last=False)[1]
-            self._tracked -= len(dropped.keys) + len(dropped.found)
+            self._tracked -= len(dropped.keys)
 
     def _order(self, req: _Request, key: OffloadKey, position: int | None) -> int:
         """The order time the request gives its key."""
@@ -508,16 +556,17 @@ class FsTierBudget:
         req = self._request(req_id)
         self._note(req, key, position)
         h = self._cid(key[:-4])
-        if h in self._chunks:
-            if self._chunk_id is not None:
-                self._hash_of.setdefault(h, key[:-4])
-            self._raise(h, self._order(req, key, position))
-            if position is not None:
-                self._raise_prefix(req, key, position)
-        elif key not in req.found:  # another engine's file, or not indexed yet
-            req.found.add(key)
-            self._tracked += 1
-            self._bound_requests()
+        chunk = self._chunks.get(h)
+        if chunk is None or not chunk[1] & _bit(key):
+            # another engine's file, or one the start-up scan has not reached:
+            # indexed at the request's order, which its mtime then says
+            if not self._adopt(h, key, self._order(req, key, position)):
+                return
+        elif self._chunk_id is not None:
+            self._hash_of.setdefault(h, key[:-4])
+        self._raise(h, self._order(req, key, position))
+        if position is not None:
+            self._raise_prefix(req, key, position)
 
     def _raise_prefix(self, req: _Request, key: OffloadKey, position: int) -> None:
         """Keep the request's chunks before the key at least as new as it:
@@ -584,16 +633,18 @@ class FsTierBudget:
             bit = _bit(key)
             if not self._chunks[h][1] & bit:
                 size = self._bytes(bit)
-                need = self.used + self.unlinking + size - self.max_bytes
+                need = self.used + self.others + self.unlinking + size - self.max_bytes
                 if need > 0:
                     evicted += self._evict(need, older_than=t)
-                if self.used + self.unlinking + size > self.max_bytes:
+                if self.used + self.others + self.unlinking + size > self.max_bytes:
                     rejected.add(key)
                     continue
                 order, groups = self._chunks[h]
                 self._chunks[h] = (order, groups | bit)
                 job.added[h] = job.added.get(h, 0) | bit
                 self.used += size
+                self.added_bytes += size  # in the ledger from now: reserved
+                self._mark_changed(h)
             coming.add(key)
         self.unreachable_files += len(unreachable)
         if rejected:
@@ -631,27 +682,39 @@ class FsTierBudget:
         return None if key_before is None else (key_before, before)
 
     def _has_file(self, req: _Request, key: OffloadKey, position: int) -> bool:
-        """Whether the key has a file: indexed, or found by lookup() for the
-        request (another engine's), or, until the start-up scan is done,
-        there (a filesystem call, on an I/O thread, only until then). A file
-        not indexed yet is indexed now, at the request's order for it, so
-        that its successors never outlive it."""
+        """Whether the key has a file: indexed (lookup() indexes the files it
+        finds), or, until the start-up scan is done, there (a filesystem
+        call, on an I/O thread, only until then). A file not indexed yet is
+        indexed now, at the request's order for it, so that its successors
+        never outlive it."""
         h, bit = self._cid(key[:-4]), _bit(key)
         chunk = self._chunks.get(h)
         if chunk is not None and chunk[1] & bit:
             return True
-        if key in req.found:
-            with self._removing_lock:
-                if h in self._removing:
-                    return False
-        elif self.scan_done.is_set() or not os.path.exists(self._key_path(key)):
+        if self.scan_done.is_set() or not os.path.exists(self._key_path(key)):
             return False
-        self._index(h, self._order(req, key, position), key)
+        return self._adopt(h, key, self._order(req, key, position))
+
+    def _adopt(self, h: bytes, key: OffloadKey, t: int) -> bool:
+        """Index a key's file found on disk at order time t (its mtime is set
+        to it); False if its chunk is being removed."""
+        with self._removing_lock:
+            if h in self._removing:
+                return False
+        bit = _bit(key)
+        self._index(h, t, key)
         order, groups = self._chunks[h]
         self._chunks[h] = (order, groups | bit)
         self.used += self._bytes(bit)
-        self._dirty.add(h)  # its file has an older time
+        if self.scan_done.is_set():  # another engine's: counted in others
+            self.others -= self._bytes(bit)
+        self._dirty.add(h)
+        self._mark_changed(h)
         return True
+
+    def _mark_changed(self, h: bytes) -> None:
+        if self._changed is not None:
+            self._changed.add(h)
 
     def _pin_chunk(self, job: Admission, h: bytes) -> None:
         """Indexed or not (a file the start-up scan has not reached)."""
@@ -675,6 +738,8 @@ class FsTierBudget:
         self._hash_of.pop(h, None)
 
     def _finish(self, job: Admission, failed: list[OffloadKey]) -> None:
+        for h in job.added:  # written after the listing passed, maybe
+            self._mark_changed(h)
         for key in failed:
             h, bit = self._cid(key[:-4]), _bit(key)
             chunk = self._chunks.get(h)
@@ -683,6 +748,8 @@ class FsTierBudget:
             if chunk is not None and chunk[1] & bit:
                 self._chunks[h] = (chunk[0], chunk[1] & ~bit)
                 self.used -= self._bytes(bit)
+                if job.positions is not None:  # a store's reservation
+                    self.added_bytes -= self._bytes(bit)
         for h in job.pinned:
             self._unpin(h)
 
@@ -713,15 +780,17 @@ class FsTierBudget:
                     break
                 del self._chunks[h]
                 self._dirty.discard(h)
+                self._mark_changed(h)
                 self._removing[h] = 0
                 self.used -= size
+                self.removed_bytes += size  # in the ledger from now
                 self.evicted_files += chunk[1].bit_count()
                 need -= size
-                evicted.append((h, chunk[1]))
+                evicted.append((h, chunk[1], t))
         for entry in skipped:
             heapq.heappush(heap, entry)
         if evicted:
-            for h, groups in evicted:
+            for h, groups, _ in evicted:
                 self._evicted_keys.append((h, self._keys_of(h, groups)))
         return evicted
 
@@ -746,7 +815,7 @@ class FsTierBudget:
 
     def _run(self) -> None:
         try:
-            self._scan()
+            self._rescan(start_up=True)
         except Exception as e:  # the tier still works, unindexed files stay
             logger.warning("%s: could not index existing files: %s", self._label, e)
         finally:
@@ -756,6 +825,11 @@ class FsTierBudget:
             self._wake.clear()
             try:
                 self._tick()
+                if (
+                    time.monotonic() >= self._next_rescan
+                    and self._ledgers.others_changed()
+                ):
+                    self._rescan()
             except Exception as e:  # reported, rate-limited; the next tick retries
                 self._errors += 1
                 if time.monotonic() >= self._next_error_report:
@@ -768,17 +842,24 @@ class FsTierBudget:
                     )
 
     def _tick(self) -> None:
-        """Apply the events, evict ahead, persist order times, report."""
+        """Apply the events, count the other engines' bytes, evict ahead,
+        persist order times, report."""
         with self._lock:
             self._apply()
             if len(self._heap) > 2 * len(self._chunks) + SCAN_BATCH:
                 self._heap = [(c[0], h) for h, c in self._chunks.items()]
                 heapq.heapify(self._heap)  # drop the stale entries
+            # read together: a store or eviction since is in both or neither
+            own, used = (self.added_bytes, self.removed_bytes), self.used
+        root = self._ledgers.root_bytes(own)
+        with self._lock:
+            self.others = root - used
             evicted: Evicted = []
-            if self.used > self.max_bytes * HIGH_WATER // 100:
+            total = self.used + self.others
+            if total > self.max_bytes * HIGH_WATER // 100:
                 low = self.max_bytes * LOW_WATER // 100
-                evicted = self._evict(self.used - low, floor=low)
-                ahead = sum(self._bytes(g) for _, g in evicted)
+                evicted = self._evict(total - low, floor=low - self.others)
+                ahead = sum(self._bytes(g) for _, g, _ in evicted)
                 self.unlinking += ahead  # stores count them until gone
         if evicted:
             self._remove(evicted)
@@ -809,11 +890,82 @@ class FsTierBudget:
                         follow_symlinks=False,
                     )
 
-    def _scan(self) -> None:
-        """Index the rank directory's block files (their order times are
-        their mtimes) in batches, trimming to the budget after each."""
+    def _rescan(self, start_up: bool = False) -> None:
+        """List the root and bring the index to it, in batches: index the
+        files it lacks (other engines' stores, earlier runs'), take the newer
+        order times of other engines' hits, forget the files gone (other
+        engines' evictions); then evict down to max_bytes. A chunk stored,
+        evicted or found since the listing began is left as it is: the
+        listing may have missed that."""
         start = time.monotonic()
+        with self._lock:
+            self._changed = set()
+            indexed = list(self._chunks)
+            own = (self.added_bytes, self.removed_bytes)
+        at_start = self._ledgers.read(own, refresh=True)
+        try:
+            found = self._walk()
+            if found is None:
+                return
+            with self._lock:
+                own = (self.added_bytes, self.removed_bytes)
+            at_end = self._ledgers.read(own)
+            listed = list(found.items())
+            adopted = vanished = removed = 0
+            for i in range(0, max(len(listed), len(indexed)), SCAN_BATCH):
+                if self._stop:
+                    return
+                with self._lock:
+                    self._apply()
+                    changed = self._changed
+                    for h, (t, groups) in listed[i : i + SCAN_BATCH]:
+                        if h not in changed:
+                            n = self._insert_found(h, t, groups)
+                            adopted += n.bit_count()
+                            if not start_up:  # others' bytes, now indexed
+                                self.others -= self._bytes(n)
+                    for h in indexed[i : i + SCAN_BATCH]:
+                        if h not in changed:
+                            n = self._forget_gone(h, found.get(h, (0, 0))[1])
+                            vanished += n.bit_count()
+                            self.others += self._bytes(n)  # counted removed
+                    evicted = self._evict(self.used - self.max_bytes)
+                removed += sum(groups.bit_count() for _, groups, _ in evicted)
+                self._remove(evicted)
+                time.sleep(SCAN_PAUSE_S)
+        finally:
+            with self._lock:
+                self._changed = None
+        took = time.monotonic() - start
+        self._ledgers.listed_with(
+            at_start, at_end, sum(self._bytes(c[1]) for _, c in listed)
+        )
+        self._ledgers.remove_stale(max(LEDGER_STALE_S, 100 * took))
+        self._next_rescan = time.monotonic() + max(
+            ROOT_RESCAN_S, RESCAN_COST_FACTOR * took
+        )
+        self.rescans += 1
+        if start_up:
+            logger.info(
+                "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
+                "file(s) to fit max_bytes=%d; %d bytes used",
+                self._label,
+                len(listed),
+                took,
+                removed,
+                self.max_bytes,
+                self.used,
+            )
+        else:
+            self.adopted_files += adopted
+            self.vanished_files += vanished
+
+    def _walk(self) -> dict[bytes, tuple[int, int]] | None:
+        """The root's block files: chunk id -> (newest mtime, group bitmask);
+        None if the budget stopped meanwhile. The events posted meanwhile
+        are applied every SCAN_BATCH files."""
         found: dict[bytes, tuple[int, int]] = {}
+        files = 0
         for d1 in _scandir(self._rank_dir):
             for d2 in _scandir(d1.path) if d1.is_dir(follow_symlinks=False) else ():
                 sep = d2.name.find("_g")
@@ -825,7 +977,7 @@ class FsTierBudget:
                     continue
                 for f in _scandir(d2.path):
                     if self._stop:
-                        return
+                        return None
                     if not f.name.endswith(".bin"):
                         continue
                     try:
@@ -835,39 +987,51 @@ class FsTierBudget:
                         continue
                     old = found.get(h, (t, 0))
                     found[h] = (max(t, old[0]), old[1] | bit)
-        chunks = list(found.items())
-        del found
-        removed = 0
-        for i in range(0, len(chunks), SCAN_BATCH):
-            if self._stop:
-                return
-            with self._lock:
-                self._apply()
-                for h, (t, groups) in chunks[i : i + SCAN_BATCH]:
-                    self._insert_found(h, t, groups)
-                evicted = self._evict(self.used - self.max_bytes)
-            removed += sum(groups.bit_count() for _, groups in evicted)
-            self._remove(evicted)
-            time.sleep(SCAN_PAUSE_S)
-        logger.info(
-            "%s: indexed %d chunk(s) of earlier runs in %.1f s; removed %d "
-            "file(s) to fit max_bytes=%d; %d bytes used",
-            self._label,
-            len(chunks),
-            time.monotonic() - start,
-            removed,
-            self.max_bytes,
-            self.used,
-        )
+                    files += 1
+                    if files % SCAN_BATCH == 0:
+                        with self._lock:
+                            self._apply()
+        return found
 
-    def _insert_found(self, h: bytes, t: int, groups: int) -> None:
+    def _insert_found(self, h: bytes, t: int, groups: int) -> int:
+        """Index a chunk's files the listing found; the group bitmask of the
+        files it adds."""
         with self._removing_lock:
             if h in self._removing:
-                return  # evicted since start: its files are going
-        chunk = self._chunks.get(h, (t, 0))
-        self.used += self._bytes(groups & ~chunk[1])
-        self._chunks[h] = (max(t, chunk[0]), groups | chunk[1])
-        heapq.heappush(self._heap, (self._chunks[h][0], h))
+                return 0  # evicted: its files are going
+        chunk = self._chunks.get(h)
+        if chunk is None:
+            chunk = self._chunks[h] = (t, groups)
+            heapq.heappush(self._heap, (t, h))
+            added = groups
+        else:
+            added = groups & ~chunk[1]
+            if added or t > chunk[0]:
+                self._chunks[h] = (max(t, chunk[0]), chunk[1] | groups)
+                heapq.heappush(self._heap, (self._chunks[h][0], h))
+        self.used += self._bytes(added)
+        return added
+
+    def _forget_gone(self, h: bytes, on_disk: int) -> int:
+        """Forget the chunk's files the listing did not find (another engine
+        removed them) unless a transfer holds it; the group bitmask of those
+        forgotten. lookup()'s cached verdicts of them become misses."""
+        chunk = self._chunks.get(h)
+        if chunk is None or h in self._pins or not chunk[1] & ~on_disk:
+            return 0
+        gone = chunk[1] & ~on_disk
+        self.used -= self._bytes(gone)
+        block_hash = h if self._chunk_id is None else self._hash_of.get(h)
+        if block_hash is not None:
+            keys = [
+                OffloadKey(block_hash + g.to_bytes(4, "big")) for g in _groups_of(gone)
+            ]
+            self._evicted_keys.append((h, keys))
+        if chunk[1] & on_disk:
+            self._chunks[h] = (chunk[0], chunk[1] & on_disk)
+        else:
+            self._drop(h)
+        return gone
 
     # ---- reports ----------------------------------------------------------
 
@@ -878,7 +1042,8 @@ class FsTierBudget:
             return
         logger.info(
             "%s: %d of max_bytes=%d bytes used, %d files evicted and %d "
-            "rejected since the previous report (%d and %d since start)",
+            "rejected since the previous report (%d and %d since start); "
+            "other engines' files on the root since start: %d indexed, %d gone",
             self._label,
             now[0],
             self.max_bytes,
@@ -886,6 +1051,8 @@ class FsTierBudget:
             self.rejected_files - self._reported[2],
             self.evicted_files,
             self.rejected_files,
+            self.adopted_files,
+            self.vanished_files,
         )
         self._reported = now
 
@@ -906,9 +1073,10 @@ class FsTierBudget:
         logger.warning(
             "%s: %d block file(s) of %d store job(s) not written since the "
             "previous report (%d and %d since start): no room in "
-            "max_bytes=%d (%d bytes used, %d being removed) once every file "
-            "not in use by a transfer was evicted. The disk did not fail; "
-            "the keys are not offloaded. A larger max_bytes keeps them.",
+            "max_bytes=%d (%d bytes indexed here, %d by other engines on the "
+            "root not listed yet, %d being removed) once every file not in "
+            "use by a transfer was evicted. The disk did not fail; the keys "
+            "are not offloaded. A larger max_bytes keeps them.",
             self._label,
             files - last_files,
             jobs - last_jobs,
@@ -916,8 +1084,143 @@ class FsTierBudget:
             jobs,
             self.max_bytes,
             self.used,
+            self.others,
             self.unlinking,
         )
+
+
+class _Ledgers:
+    """The ledgers of the engines on one rank directory: a file per engine
+    with the bytes of block files it added (stored new) and removed since
+    its start (two 8-byte integers, written in place). Owned by the budget
+    thread.
+
+    The root's bytes are those its last listing found plus each engine's
+    net bytes since the listing began (its ledger now less its ledger
+    then). An engine that stopped (its ledger removed, or unreadable)
+    counts as it was last read until the next listing. When no other
+    engine's ledger changed since the listing, the root has not changed.
+    """
+
+    def __init__(self, rank_dir: str, label: str) -> None:
+        self._rank_dir = rank_dir
+        self._dir = os.path.join(rank_dir, LEDGER_DIR)
+        self._label = label
+        self._name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        self._fd: int | None = None
+        self._published: Ledger | None = None
+        self._listed = 0  # the bytes the last listing found
+        self._at_listing: dict[str, Ledger] = {}  # when it began
+        self._last: dict[str, Ledger] = {}  # last read
+        self.errors = 0
+        self._next_warning = 0.0
+
+    def read(self, own: Ledger, refresh: bool = False) -> dict[str, Ledger]:
+        """Publish this engine's ledger (refresh: reopen and rewrite it, so
+        that its mtime says it lives); every engine's."""
+        self._publish(own, refresh)
+        now = {self._name: own}
+        for entry in _scandir(self._dir):
+            if entry.name == self._name or entry.name.endswith(".tmp"):
+                continue
+            with contextlib.suppress(OSError):  # removed: its engine stopped
+                with open(entry.path, "rb") as f:
+                    data = f.read(16)
+                if len(data) == 16:
+                    now[entry.name] = struct.unpack("<qq", data)
+        for name, n in self._at_listing.items():
+            if name not in now:
+                now[name] = self._last.get(name, n)
+        self._last = now
+        return now
+
+    def root_bytes(self, own: Ledger) -> int:
+        now = self.read(own)
+        at_listing = self._at_listing
+        return self._listed + sum(
+            added - removed - _net(at_listing.get(name))
+            for name, (added, removed) in now.items()
+        )
+
+    def others_changed(self) -> bool:
+        """Whether another engine stored or removed files since the last
+        listing began (as last read)."""
+        return any(
+            name != self._name and ledger != self._at_listing.get(name)
+            for name, ledger in self._last.items()
+        )
+
+    def listed_with(
+        self, at_start: dict[str, Ledger], at_end: dict[str, Ledger], listed: int
+    ) -> None:
+        """A listing between two reads of the ledgers found listed bytes.
+        Since then, the root has the files added since it began and lacks
+        those removed since it ended: a file stored or removed meanwhile,
+        which it may or may not have found, is counted (never too few)."""
+        self._listed = listed
+        self._at_listing = {
+            name: (at_start.get(name, (0, 0))[0], at_end.get(name, (0, 0))[1])
+            for name in at_start.keys() | at_end.keys()
+        }
+
+    def _publish(self, own: Ledger, refresh: bool) -> None:
+        if own == self._published and not refresh:
+            return
+        try:
+            if refresh or self._fd is None:
+                self._reopen()
+            assert self._fd is not None
+            os.pwrite(self._fd, struct.pack("<qq", *own), 0)
+            self._published = own
+        except OSError as e:  # the others miss this engine's bytes meanwhile
+            self.errors += 1
+            if time.monotonic() >= self._next_warning:
+                self._next_warning = time.monotonic() + REPORT_INTERVAL_S
+                logger.warning(
+                    "%s: could not write this engine's budget ledger in %s "
+                    "(%d time(s) since start): %s. The other engines on the "
+                    "root do not count its stores until they list the root.",
+                    self._label,
+                    self._dir,
+                    self.errors,
+                    e,
+                )
+
+    def _reopen(self) -> None:
+        # the rank directory's mode: engines that share it can read and
+        # write the ledgers
+        mode = os.stat(self._rank_dir).st_mode & 0o777
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self._dir, mode)
+        fd = os.open(
+            os.path.join(self._dir, self._name),
+            os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            mode & 0o666,
+        )
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
+
+    def remove_stale(self, stale_s: float) -> None:
+        """Remove the ledgers not rewritten for stale_s (their engine died)."""
+        deadline = time.time() - stale_s
+        for entry in _scandir(self._dir):
+            with contextlib.suppress(OSError):
+                if entry.name != self._name and (
+                    entry.stat(follow_symlinks=False).st_mtime < deadline
+                ):
+                    os.remove(entry.path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self._dir, self._name))
+
+
+def _net(ledger: Ledger | None) -> int:
+    return 0 if ledger is None else ledger[0] - ledger[1]
 
 
 def _scandir(path: str):

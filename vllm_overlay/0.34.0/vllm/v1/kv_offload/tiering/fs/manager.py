@@ -55,16 +55,17 @@ Checksums (the tier config's "checksum_blocks", off by default; upstream
     (checked at start).
 
 Budget (the tier config's "max_bytes", unbounded by default):
-    The tier's files never exceed max_bytes by more than one store job: a
-    store evicts first, whole chunks (every group's file) of the least
-    recently used prefix tails, never a chunk with a transfer in flight; a
-    store that cannot fit fails for the keys that do not. Existing files are
-    indexed at start, in the background, in the order of their times. See
-    budget.py. The root's other layouts (an earlier version's, another
-    model's) are not counted: they are named at start, for their owner to
-    remove, least recently used first, with how long ago (a running tier
-    sets its layout directory's mtime hourly), so that a layout nobody runs
-    is told from a live one.
+    The layout's files on the root never exceed max_bytes by more than one
+    store job per engine: engines sharing the root share the budget (each
+    counts the others' stores through their ledgers). A store evicts first,
+    whole chunks (every group's file) of the least recently used prefix
+    tails, never a chunk with a transfer in flight; a store that cannot fit
+    fails for the keys that do not. Existing files are indexed at start, in
+    the background, in the order of their times. See budget.py. The root's
+    other layouts (an earlier version's, another model's) are not counted:
+    they are named at start, for their owner to remove, least recently used
+    first, with how long ago (a running tier sets its layout directory's
+    mtime hourly), so that a layout nobody runs is told from a live one.
 """
 
 import contextlib
@@ -333,7 +334,7 @@ class FileSystemTierManager(SecondaryTierManager):
             root share the key file; another key is another namespace.
         max_bytes: the most bytes this tier's files may take on disk (at
             least one chunk of every KV cache group); None: no limit.
-            Engines sharing root_dir each keep their own budget.
+            Engines sharing root_dir share it: set the same on each.
         checksum_blocks: keep each block's CRC32C in an extended attribute
             of its file and check it on load: a block whose bytes changed,
             or that has none, is a miss (its file removed, counted). With
