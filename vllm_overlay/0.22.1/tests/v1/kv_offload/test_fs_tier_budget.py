@@ -574,7 +574,7 @@ def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypa
         monkeypatch.setattr(fs_manager, "store_block", broken)
         results = store_keys(tier, [key(1), key(2)], 0, rows)
         assert [r.success for r in results] == [False, False]
-        wait_until(lambda: tier._budget.used == 0, timeout_s=5)
+        wait_until(lambda: tier._budget.used == 0)
     finally:
         tier.shutdown()
 
@@ -1027,6 +1027,8 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
 
     # raising=False: the test also runs on a budget without listings
     monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(budget_module, "RESCAN_COST_FACTOR", 1, raising=False)
     root = str(tmp_path)
     first, path_of = _budget_on(root, 4)
     second, _ = _budget_on(root, 4)
@@ -1038,7 +1040,7 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
     try:
         for i, k in enumerate(keys[:4]):
             store(first, k, f"a{i}")
-        wait_until(lambda: second.used == 4 * 4096, timeout_s=5)
+        wait_until(lambda: second.used == 4 * 4096)
         for i, k in enumerate(keys[4:]):
             store(second, k, f"b{i}")
             assert len(block_files(root)) <= 4
@@ -1055,13 +1057,15 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
 def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, monkeypatch):
     """Two engines' budgets on one root, max_bytes four files (the root's),
     neither listing the root after its start: once the first stored four
-    files, the second counts them within a tick (the first's ledger), so
-    its store cannot take the root past max_bytes: refused, as no file it
+    files, the second counts them (the first's ledger) without a listing,
+    so its store cannot take the root past max_bytes: refused, as no file it
     indexed could make room."""
     from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
     # raising=False: the test also runs on a budget without listings
     monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9, raising=False)
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(budget_module, "RESCAN_COST_FACTOR", 1, raising=False)
     root = str(tmp_path)
     first, path_of = _budget_on(root, 4)
     second, _ = _budget_on(root, 4)
@@ -1069,7 +1073,7 @@ def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, monkeypa
     try:
         for i, k in enumerate(keys[:4]):
             _store_one(first, path_of, k, f"a{i}")
-        wait_until(lambda: getattr(second, "others", 0) == 4 * 4096, timeout_s=5)
+        wait_until(lambda: getattr(second, "others", 0) == 4 * 4096)
         _store_one(second, path_of, keys[4], "b0")
         assert len(block_files(root)) == 4
         assert second.rejected_files == 1
@@ -1101,6 +1105,136 @@ def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
     finally:
         budget.shutdown()
     assert os.listdir(ledgers) == ["alive"]
+
+
+def test_a_budget_on_a_root_not_made_yet_warns_of_no_ledger(tmp_path, caplog):
+    """The tier makes its rank directory with its first store: until then
+    the budget writes no ledger and says nothing of it; then it writes it."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    root = str(tmp_path / "rank")
+    budget, path_of = _budget_on(root, 4)
+    key = make_offload_key(bytes([1]) * 32, 0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            job = budget.admit_store([key], "r", {key: 16})
+            budget.admitted(job)
+            time.sleep(10 * budget_module.BUDGET_INTERVAL_S)  # ticks
+        assert not [r for r in caplog.records if "ledger" in r.getMessage()]
+        _write_files(path_of, [key])
+        budget.written(job, [key])
+        budget.finish_job(job, [])
+        ledgers = os.path.join(root, budget_module.LEDGER_DIR)
+        wait_until(lambda: os.path.isdir(ledgers) and len(os.listdir(ledgers)) == 1)
+    finally:
+        budget.shutdown()
+
+
+def test_a_single_engine_never_lists_its_root_again(tmp_path, monkeypatch):
+    """Alone on its root, an engine lists it once, at start, and counts
+    nothing of other engines, whatever it stores and evicts: the cost and
+    the budget of one engine."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.01)
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 4)
+    try:
+        for i in range(12):
+            _store_one(budget, path_of, make_offload_key(bytes([i]) * 32, 0), f"r{i}")
+        time.sleep(20 * budget_module.BUDGET_INTERVAL_S)
+        assert budget.rescans == 1 and budget.others == 0
+        assert len(block_files(root)) == 4
+    finally:
+        budget.shutdown()
+
+
+def test_an_engine_that_left_keeps_its_files_counted(tmp_path, monkeypatch):
+    """An engine joins after the other's listing, stores two files and
+    stops (its ledger goes, its files stay): the other keeps counting them,
+    so that its own stores keep the root within max_bytes."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9)
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(budget_module, "RESCAN_COST_FACTOR", 1, raising=False)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 4)
+    second, _ = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 6)]
+    try:
+        for i, k in enumerate(keys[:2]):
+            _store_one(second, path_of, k, f"b{i}")
+        wait_until(lambda: first.others == 2 * 4096)
+        second.shutdown()
+        time.sleep(20 * budget_module.BUDGET_INTERVAL_S)
+        assert first.others == 2 * 4096
+        for i, k in enumerate(keys[2:]):
+            _store_one(first, path_of, k, f"a{i}")
+        # its own oldest went: the root stays within max_bytes
+        on_disk = [os.path.exists(path_of(k)) for k in keys]
+        assert on_disk == [True, True, False, True, True]
+    finally:
+        first.shutdown()
+
+
+def test_a_hit_never_lowers_another_engines_mtime(tmp_path, monkeypatch):
+    """On a shared root, lookup() finds a file another engine raised past
+    this request's order time: indexing it here never lowers its mtime (the
+    order all engines read)."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01)
+    root = str(tmp_path)
+    first, path_of = _budget_on(root, 8)
+    second, _ = _budget_on(root, 8)
+    try:
+        _store_one(second, path_of, make_offload_key(bytes([1]) * 32, 0), "b")
+        wait_until(lambda: first._ledgers.shared)
+        key = make_offload_key(bytes([2]) * 32, 0)
+        _write_files(path_of, [key])
+        raised = time.time_ns() + 3600 * 10**9
+        os.utime(path_of(key), ns=(raised, raised))
+        assert first.on_hit(key, "a", {key: 16})
+        first.end_step()
+        wait_until(lambda: first._cid(key[:-4]) in first._chunks)
+        time.sleep(10 * budget_module.BUDGET_INTERVAL_S)  # times persisted
+        assert os.stat(path_of(key)).st_mtime_ns == raised
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_ledger_that_is_not_one_is_not_believed(tmp_path, monkeypatch):
+    """A FIFO in the ledgers' directory never blocks the budget thread, and
+    a ledger that jumps by more than max_bytes is not believed: the engine
+    stores as if they were not there, and stops."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01)
+    root = str(tmp_path)
+    ledgers = os.path.join(root, budget_module.LEDGER_DIR)
+    os.makedirs(ledgers)
+    os.mkfifo(os.path.join(ledgers, "fifo"))
+    liar = os.path.join(ledgers, "liar")
+    with open(liar, "wb") as f:
+        f.write(struct.pack("<qq", 0, 0))
+    budget, path_of = _budget_on(root, 4)
+    try:
+        wait_until(lambda: budget._ledgers.shared)
+        with open(liar, "r+b") as f:
+            f.write(struct.pack("<qq", 2**40, 0))
+        time.sleep(10 * budget_module.BUDGET_INTERVAL_S)
+        for i in range(4):
+            key = make_offload_key(bytes([i]) * 32, 0)
+            _store_one(budget, path_of, key, f"r{i}")
+        assert budget.others == 0 and budget.rejected_files == 0
+        assert len(block_files(root)) == 4
+    finally:
+        stopping = threading.Thread(target=budget.shutdown)
+        stopping.start()
+        stopping.join(10)
+        assert not stopping.is_alive()
 
 
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])

@@ -18,13 +18,15 @@ Design principles:
       but the files.
     - One budget per root. max_bytes bounds the root's files of the layout,
       whoever stored them. Each engine publishes the bytes it added and
-      removed in a ledger file of its own (_Ledgers) and reads the others'
-      every tick, so that it counts their stores within BUDGET_INTERVAL_S;
-      it lists the root again every few seconds, indexing the files other
-      engines stored and forgetting those they removed. Engines read the
-      same order from the same mtimes, so they evict the same oldest
-      chunks; an engine that stops or crashes leaves files, which the
-      others count and evict, and a ledger, which they stop reading.
+      removed in a ledger file of its own (_Ledgers) and, once it saw
+      another's, reads theirs every tick: their stores count at once. When
+      one changed, it lists the root again (at most every ROOT_RESCAN_S),
+      indexing the files the others stored and forgetting those they
+      removed. Engines read one order in the files' mtimes (only ever
+      raised), so they evict the same oldest chunks, and a victim another
+      engine raised is kept. An engine that stops or crashes leaves files,
+      which the others count and evict, and a ledger, which stops changing.
+      A single engine never lists its root again.
     - The scheduler thread only posts. Its calls append events and read the
       chunks being removed: no filesystem call, no wait on eviction.
 
@@ -38,7 +40,9 @@ Threads and what they own:
     - _removing_lock guards _removing and _hit_pins (lookup()'s pins),
       which the scheduler thread reads and writes on every hit: held for a
       few dict operations, or one eviction's pick of its victims.
-    - _recalled and _step_hits are the scheduler thread's own.
+    - _recalled and _step_hits are the scheduler thread's own; _ledgers
+      (the engines' ledger files) is the budget thread's. others,
+      added_bytes and removed_bytes are guarded by _lock.
 
 Invariants:
     - Prefix order: for every prompt, a chunk's order time is at least that
@@ -63,15 +67,19 @@ Invariants:
       REPORT_INTERVAL_S.
 
 Shared roots: the root's files may exceed max_bytes by one store job per
-engine and the others' stores of one BUDGET_INTERVAL_S (their ledgers are
-read once a tick). An engine evicts what it indexed: another engine's
-files from its last listing on. A file another engine removed is a miss
-(lookup() checks the file) until the next listing forgets it. Order times
-are wall-clock times: engines on several hosts need synchronized clocks.
+engine and what the others' ledgers did not show yet: their stores of a
+tick, or, on NFS, until a new ledger's name is seen (the client's
+directory cache, up to a minute). An engine evicts what it indexed:
+another engine's files from its last listing, or its lookup() hit, on. A
+file another engine removed is a miss (lookup() checks the file) until
+the next listing forgets it. Order times are wall-clock times: engines on
+several hosts need synchronized clocks; raising another account's file's
+mtime needs its ownership (one account for all engines keeps one order).
 """
 
 import contextlib
 import heapq
+import math
 import os
 import socket
 import stat
@@ -117,6 +125,8 @@ RESCAN_COST_FACTOR = 20
 # not listed the root for LEDGER_STALE_S (it crashed) is removed.
 LEDGER_DIR = "budget-ledgers"
 LEDGER_STALE_S = 3600.0
+# While no other engine's ledger was seen, the ledgers are read this often.
+LEDGER_POLL_S = 1.0
 # An evicted chunk leaves _removing once both happened.
 _KEYS_TAKEN, _FILES_GONE = 1, 2
 _HIT, _RECALL, _FORGET, _ADMIT, _STEP, _FINISH, _LOAD = range(7)
@@ -256,19 +266,7 @@ class FsTierBudget:
         self._events: deque[tuple] = deque()
         # chunks whose order time is not on their files yet
         self._dirty: set[bytes] = set()
-        # while the root is listed: the chunks stored, evicted or found
-        # since the listing began, which it may have missed (see _rescan())
-        self._changed: set[bytes] | None = None
-        self.rescans = 0
-        self.adopted_files = self.vanished_files = 0  # other engines'
-        # this engine's block files since start: the bytes of those it
-        # stores (from their admission) and of those it removed (from their
-        # eviction)
-        self.added_bytes = self.removed_bytes = 0
-        # the root's bytes this index does not hold: the other engines' net
-        # stores since the last listing, less the files they removed from it
-        self.others = 0
-        self._ledgers = _Ledgers(rank_dir, label)
+        self._init_shared_root(rank_dir, label)
         # the scheduler thread's: req_id -> recorded positions last copied
         self._recalled: dict[str, int] = {}
         self._removing_lock = threading.Lock()
@@ -284,7 +282,6 @@ class FsTierBudget:
         self._next_report = self._next_warning = 0.0
         self._warning_lock = threading.Lock()
         self._errors = 0  # the budget thread's failures
-        self._next_rescan = 0.0
         self._next_error_report = 0.0
 
         self._wake = threading.Event()
@@ -294,6 +291,24 @@ class FsTierBudget:
             target=self._run, name="vllm_kv_py_fs_budget", daemon=True
         )
         self._thread.start()
+
+    def _init_shared_root(self, rank_dir: str, label: str) -> None:
+        """What the budget keeps of the other engines on its root."""
+        # while the root is listed: the chunks stored, evicted or found
+        # since the listing began, which it may have missed (see _rescan())
+        self._changed: set[bytes] | None = None
+        self.rescans = 0
+        self.adopted_files = self.vanished_files = 0  # other engines'
+        # this engine's block files since start: the bytes of those it
+        # stores (from their admission) and of those it removed (from their
+        # eviction)
+        self.added_bytes = self.removed_bytes = 0
+        # the root's bytes this index does not hold: the other engines' net
+        # stores since the last listing (less the files they removed of this
+        # index), and this index's victims kept on disk
+        self.others = 0
+        self._ledgers = _Ledgers(rank_dir, self.max_bytes, label)
+        self._next_rescan = self._listed_at = 0.0
 
     # ---- scheduler thread: O(1) per key, no filesystem call ---------------
 
@@ -431,7 +446,7 @@ class FsTierBudget:
             assert job.result is not None  # _apply(job) admits it
             rejected, unreachable, evicted = job.result
             job.result = (rejected, unreachable, [])
-        if self.used > self.max_bytes * HIGH_WATER // 100:
+        if self.used + self.others > self.max_bytes * HIGH_WATER // 100:
             self._wake.set()  # evict ahead, off the write path
         if rejected and time.monotonic() >= self._next_warning:
             self._warn_rejections()
@@ -443,15 +458,14 @@ class FsTierBudget:
 
     def _remove(self, evicted: Evicted) -> None:
         errors, error, not_removed = 0, "", 0
+        shared = self._ledgers.shared  # set once, by the budget thread
         for h, groups, t in evicted:
+            if shared and self._raised_elsewhere(h, groups, t):
+                not_removed += self._bytes(groups)
+                continue  # another engine's hit raised it: kept, whole
             for g in _groups_of(groups):
-                path = self._chunk_path(h, g)
                 try:
-                    st = os.stat(path, follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode) and st.st_mtime_ns > t:
-                        not_removed += self._bytes(1 << g)
-                        continue  # another engine's hit raised it: kept
-                    os.remove(path)
+                    os.remove(self._chunk_path(h, g))
                 except FileNotFoundError:
                     # another engine removed (and counted) it, or it was
                     # never written
@@ -462,11 +476,30 @@ class FsTierBudget:
         with self._lock:
             self.removal_errors += errors
             self.removed_bytes -= not_removed  # counted when evicted
+            # on disk but not indexed, or counted removed in others already
+            self.others += not_removed
         with self._removing_lock:
             for h, _, _ in evicted:
                 self._settle(h, _FILES_GONE)
         if errors and self._on_removal_errors is not None:
             self._on_removal_errors(errors, error)
+
+    def _newer_on_disk(self, h: bytes, g: int, t: int) -> bool:
+        try:
+            return (
+                os.stat(self._chunk_path(h, g), follow_symlinks=False).st_mtime_ns >= t
+            )
+        except OSError:
+            return False
+
+    def _raised_elsewhere(self, h: bytes, groups: int, t: int) -> bool:
+        """Whether a file of the chunk has a newer mtime than its order time
+        here (another engine's hit raised it)."""
+        for g in _groups_of(groups):
+            with contextlib.suppress(OSError):
+                st = os.stat(self._chunk_path(h, g), follow_symlinks=False)
+                return stat.S_ISREG(st.st_mode) and st.st_mtime_ns > t
+        return False
 
     # ---- the events, in order (under _lock) -------------------------------
 
@@ -827,7 +860,10 @@ class FsTierBudget:
                 self._tick()
                 if (
                     time.monotonic() >= self._next_rescan
-                    and self._ledgers.others_changed()
+                    # a ledger moves as a job is admitted, its files change
+                    # later: list until one listing began ROOT_RESCAN_S after
+                    # the last change seen
+                    and self._ledgers.changed_at + ROOT_RESCAN_S > self._listed_at
                 ):
                     self._rescan()
             except Exception as e:  # reported, rate-limited; the next tick retries
@@ -849,11 +885,8 @@ class FsTierBudget:
             if len(self._heap) > 2 * len(self._chunks) + SCAN_BATCH:
                 self._heap = [(c[0], h) for h, c in self._chunks.items()]
                 heapq.heapify(self._heap)  # drop the stale entries
-            # read together: a store or eviction since is in both or neither
-            own, used = (self.added_bytes, self.removed_bytes), self.used
-        root = self._ledgers.root_bytes(own)
+        self._count_others()
         with self._lock:
-            self.others = root - used
             evicted: Evicted = []
             total = self.used + self.others
             if total > self.max_bytes * HIGH_WATER // 100:
@@ -865,6 +898,8 @@ class FsTierBudget:
             self._remove(evicted)
             with self._lock:
                 self.unlinking -= ahead
+                own = (self.added_bytes, self.removed_bytes)
+            self._ledgers.publish(own)  # before the others evict the same
         self._persist_times()
         now = time.monotonic()
         if now >= self._next_report:
@@ -872,16 +907,28 @@ class FsTierBudget:
         if now >= self._next_warning:
             self._warn_rejections()
 
+    def _count_others(self) -> None:
+        """Publish this engine's ledger and count the others' changes."""
+        with self._lock:
+            own = (self.added_bytes, self.removed_bytes)
+        delta = self._ledgers.others_since(own)
+        if delta:
+            with self._lock:
+                self.others += delta
+
     def _persist_times(self) -> None:
         """Set the files of chunks whose order time changed to it (their
         mtime), for a restart to read back."""
         with self._lock:
             dirty = [(h, self._chunks.get(h)) for h in self._dirty]
             self._dirty.clear()
+        shared = self._ledgers.shared
         for h, chunk in dirty:
             if chunk is None:
                 continue
             for g in _groups_of(chunk[1]):
+                if shared and self._newer_on_disk(h, g, chunk[0]):
+                    continue  # another engine raised it further: never lower
                 # removed since, or not written yet (its store sets it)
                 with contextlib.suppress(OSError):
                     os.utime(
@@ -897,19 +944,18 @@ class FsTierBudget:
         engines' evictions); then evict down to max_bytes. A chunk stored,
         evicted or found since the listing began is left as it is: the
         listing may have missed that."""
-        start = time.monotonic()
+        start = self._listed_at = time.monotonic()
         with self._lock:
             self._changed = set()
             indexed = list(self._chunks)
             own = (self.added_bytes, self.removed_bytes)
-        at_start = self._ledgers.read(own, refresh=True)
+        self._ledgers.others_since(own, force=True)
+        at_start = self._ledgers.read_others()
         try:
             found = self._walk()
             if found is None:
                 return
-            with self._lock:
-                own = (self.added_bytes, self.removed_bytes)
-            at_end = self._ledgers.read(own)
+            at_end = self._ledgers.read_others()
             listed = list(found.items())
             adopted = vanished = removed = 0
             for i in range(0, max(len(listed), len(indexed)), SCAN_BATCH):
@@ -922,13 +968,14 @@ class FsTierBudget:
                         if h not in changed:
                             n = self._insert_found(h, t, groups)
                             adopted += n.bit_count()
-                            if not start_up:  # others' bytes, now indexed
+                            if not start_up:  # in others until now
                                 self.others -= self._bytes(n)
                     for h in indexed[i : i + SCAN_BATCH]:
                         if h not in changed:
                             n = self._forget_gone(h, found.get(h, (0, 0))[1])
                             vanished += n.bit_count()
-                            self.others += self._bytes(n)  # counted removed
+                            if not start_up:  # counted removed in others
+                                self.others += self._bytes(n)
                     evicted = self._evict(self.used - self.max_bytes)
                 removed += sum(groups.bit_count() for _, groups, _ in evicted)
                 self._remove(evicted)
@@ -936,14 +983,14 @@ class FsTierBudget:
         finally:
             with self._lock:
                 self._changed = None
-        took = time.monotonic() - start
-        self._ledgers.listed_with(
-            at_start, at_end, sum(self._bytes(c[1]) for _, c in listed)
-        )
+            took = time.monotonic() - start  # a failed listing waits as long
+            self._next_rescan = time.monotonic() + max(
+                ROOT_RESCAN_S, RESCAN_COST_FACTOR * took
+            )
+        others = self._ledgers.listed(at_start, at_end)
+        with self._lock:  # the index is the listing now
+            self.others = others
         self._ledgers.remove_stale(max(LEDGER_STALE_S, 100 * took))
-        self._next_rescan = time.monotonic() + max(
-            ROOT_RESCAN_S, RESCAN_COST_FACTOR * took
-        )
         self.rescans += 1
         if start_up:
             logger.info(
@@ -966,8 +1013,8 @@ class FsTierBudget:
         are applied every SCAN_BATCH files."""
         found: dict[bytes, tuple[int, int]] = {}
         files = 0
-        for d1 in _scandir(self._rank_dir):
-            for d2 in _scandir(d1.path) if d1.is_dir(follow_symlinks=False) else ():
+        for d1 in _listdir(self._rank_dir):
+            for d2 in _listdir(d1.path) if d1.is_dir(follow_symlinks=False) else ():
                 sep = d2.name.find("_g")
                 if sep < 0 or not d2.is_dir(follow_symlinks=False):
                     continue
@@ -975,7 +1022,7 @@ class FsTierBudget:
                     bit = 1 << int(d2.name[sep + 2 :])
                 except ValueError:
                     continue
-                for f in _scandir(d2.path):
+                for f in _listdir(d2.path):
                     if self._stop:
                         return None
                     if not f.name.endswith(".bin"):
@@ -983,14 +1030,15 @@ class FsTierBudget:
                     try:
                         h = bytes.fromhex(f.name[:-4])
                         t = f.stat(follow_symlinks=False).st_mtime_ns
-                    except (ValueError, OSError):
-                        continue
+                    except (ValueError, FileNotFoundError):
+                        continue  # not a block file, or removed since
                     old = found.get(h, (t, 0))
                     found[h] = (max(t, old[0]), old[1] | bit)
                     files += 1
                     if files % SCAN_BATCH == 0:
                         with self._lock:
                             self._apply()
+                        self._count_others()
         return found
 
     def _insert_found(self, h: bytes, t: int, groups: int) -> int:
@@ -1092,85 +1140,122 @@ class FsTierBudget:
 class _Ledgers:
     """The ledgers of the engines on one rank directory: a file per engine
     with the bytes of block files it added (stored new) and removed since
-    its start (two 8-byte integers, written in place). Owned by the budget
-    thread.
+    its start (two 8-byte integers). Owned by the budget thread.
 
-    The root's bytes are those its last listing found plus each engine's
-    net bytes since the listing began (its ledger now less its ledger
-    then). An engine that stopped (its ledger removed, or unreadable)
-    counts as it was last read until the next listing. When no other
-    engine's ledger changed since the listing, the root has not changed.
+    Another engine's stores and removals since a listing are its ledger now
+    less its ledger then: counted at once, without a listing. An engine
+    that stopped (its ledger gone) changes nothing since its last read, and
+    a ledger that is not a 16-byte regular file, or moves back, or jumps by
+    more than max_bytes in one read, is not believed (unchanged).
     """
 
-    def __init__(self, rank_dir: str, label: str) -> None:
+    def __init__(self, rank_dir: str, max_bytes: int, label: str) -> None:
         self._rank_dir = rank_dir
         self._dir = os.path.join(rank_dir, LEDGER_DIR)
+        self._max_bytes = max_bytes
         self._label = label
         self._name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
-        self._fd: int | None = None
         self._published: Ledger | None = None
-        self._listed = 0  # the bytes the last listing found
-        self._at_listing: dict[str, Ledger] = {}  # when it began
-        self._last: dict[str, Ledger] = {}  # last read
+        self._last: dict[str, Ledger] = {}  # the other engines', last read
+        self._next_read = 0.0
+        # another engine's ledger was seen since start: the root is shared
+        self.shared = False
+        # when another engine's ledger was last seen to change (monotonic)
+        self.changed_at = -math.inf
         self.errors = 0
         self._next_warning = 0.0
 
-    def read(self, own: Ledger, refresh: bool = False) -> dict[str, Ledger]:
-        """Publish this engine's ledger (refresh: reopen and rewrite it, so
-        that its mtime says it lives); every engine's."""
-        self._publish(own, refresh)
-        now = {self._name: own}
+    def others_since(self, own: Ledger, force: bool = False) -> int:
+        """Publish this engine's ledger; the other engines' net bytes since
+        the previous call (read every BUDGET_INTERVAL_S while the root is
+        shared, else every LEDGER_POLL_S, or when forced)."""
+        self._publish(own, force)
+        now = time.monotonic()
+        if not force and now < self._next_read:
+            return 0
+        self._next_read = now + (BUDGET_INTERVAL_S if self.shared else LEDGER_POLL_S)
+        last = self._last
+        read = self.read_others()
+        self._last = {**last, **read}  # a stopped engine: as last read
+        if any(last.get(n) != x for n, x in read.items()):
+            self.changed_at = now
+        return sum(
+            _net(ledger) - _net(last.get(name, (0, 0))) for name, ledger in read.items()
+        )
+
+    def read_others(self) -> dict[str, Ledger]:
+        """The other engines' ledgers that can be believed."""
+        out: dict[str, Ledger] = {}
         for entry in _scandir(self._dir):
-            if entry.name == self._name or entry.name.endswith(".tmp"):
+            if entry.name == self._name:
                 continue
-            with contextlib.suppress(OSError):  # removed: its engine stopped
-                with open(entry.path, "rb") as f:
-                    data = f.read(16)
-                if len(data) == 16:
-                    now[entry.name] = struct.unpack("<qq", data)
-        for name, n in self._at_listing.items():
-            if name not in now:
-                now[name] = self._last.get(name, n)
-        self._last = now
-        return now
+            ledger = self._read(entry.path)
+            last = self._last.get(entry.name, (0, 0))
+            if ledger is None or not (
+                last[0] <= ledger[0] <= last[0] + self._max_bytes
+                and last[1] <= ledger[1] <= last[1] + self._max_bytes
+            ):
+                continue  # not a ledger, or not believable: as last read
+            out[entry.name] = ledger
+            self.shared = True
+        return out
 
-    def root_bytes(self, own: Ledger) -> int:
-        now = self.read(own)
-        at_listing = self._at_listing
-        return self._listed + sum(
-            added - removed - _net(at_listing.get(name))
-            for name, (added, removed) in now.items()
-        )
-
-    def others_changed(self) -> bool:
-        """Whether another engine stored or removed files since the last
-        listing began (as last read)."""
-        return any(
-            name != self._name and ledger != self._at_listing.get(name)
-            for name, ledger in self._last.items()
-        )
-
-    def listed_with(
-        self, at_start: dict[str, Ledger], at_end: dict[str, Ledger], listed: int
-    ) -> None:
-        """A listing between two reads of the ledgers found listed bytes.
-        Since then, the root has the files added since it began and lacks
-        those removed since it ended: a file stored or removed meanwhile,
-        which it may or may not have found, is counted (never too few)."""
-        self._listed = listed
-        self._at_listing = {
-            name: (at_start.get(name, (0, 0))[0], at_end.get(name, (0, 0))[1])
-            for name in at_start.keys() | at_end.keys()
-        }
-
-    def _publish(self, own: Ledger, refresh: bool) -> None:
-        if own == self._published and not refresh:
-            return
+    @staticmethod
+    def _read(path: str) -> Ledger | None:
+        try:  # O_NONBLOCK: a FIFO never blocks the budget thread
+            fd = os.open(
+                path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+        except OSError:
+            return None  # removed: its engine stopped
         try:
-            if refresh or self._fd is None:
-                self._reopen()
-            assert self._fd is not None
-            os.pwrite(self._fd, struct.pack("<qq", *own), 0)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = os.read(fd, 17)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return struct.unpack("<qq", data) if len(data) == 16 else None
+
+    def listed(self, at_start: dict[str, Ledger], at_end: dict[str, Ledger]) -> int:
+        """A listing between two reads of the other engines' ledgers ended:
+        their net bytes since, counting the files they added since it began
+        (it may have missed them) and removed since it ended."""
+        self._last = dict(at_end)
+        if any(at_start.get(n) != x for n, x in at_end.items()):
+            self.changed_at = time.monotonic()
+        return sum(
+            ledger[0] - at_start.get(name, (0, 0))[0] for name, ledger in at_end.items()
+        )
+
+    def publish(self, own: Ledger) -> None:
+        self._publish(own, False)
+
+    def _publish(self, own: Ledger, force: bool) -> None:
+        """Write this engine's ledger where it changed (force: also where it
+        did not, so that its mtime says the engine lives): opened, written
+        and closed, which NFS clients flush to the server."""
+        if (own == self._published and not force) or not os.path.isdir(self._rank_dir):
+            return  # unchanged, or no file stored yet (the tier makes the dir)
+        try:
+            st = os.stat(self._rank_dir)
+            # the rank directory's modes (group access, setgid), umask aside
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self._dir)
+                os.chmod(self._dir, st.st_mode & 0o7777)
+            if not stat.S_ISDIR(os.lstat(self._dir).st_mode):
+                raise NotADirectoryError(f"{self._dir} is not a directory")
+            fd = os.open(
+                os.path.join(self._dir, self._name),
+                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+            )
+            try:
+                os.fchmod(fd, st.st_mode & 0o666)
+                os.pwrite(fd, struct.pack("<qq", *own), 0)
+            finally:
+                os.close(fd)
             self._published = own
         except OSError as e:  # the others miss this engine's bytes meanwhile
             self.errors += 1
@@ -1186,21 +1271,6 @@ class _Ledgers:
                     e,
                 )
 
-    def _reopen(self) -> None:
-        # the rank directory's mode: engines that share it can read and
-        # write the ledgers
-        mode = os.stat(self._rank_dir).st_mode & 0o777
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self._dir, mode)
-        fd = os.open(
-            os.path.join(self._dir, self._name),
-            os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-            mode & 0o666,
-        )
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = fd
-
     def remove_stale(self, stale_s: float) -> None:
         """Remove the ledgers not rewritten for stale_s (their engine died)."""
         deadline = time.time() - stale_s
@@ -1210,17 +1280,26 @@ class _Ledgers:
                     entry.stat(follow_symlinks=False).st_mtime < deadline
                 ):
                     os.remove(entry.path)
+                    self._last.pop(entry.name, None)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(self._dir, self._name))
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self._dir, self._name))
 
 
 def _net(ledger: Ledger | None) -> int:
     return 0 if ledger is None else ledger[0] - ledger[1]
+
+
+def _listdir(path: str) -> list[os.DirEntry]:
+    """A directory's entries for a listing of the root: a directory removed
+    since has none; another error (EACCES, ESTALE, EMFILE) fails the listing,
+    whose files would else read as gone."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
 
 
 def _scandir(path: str):
