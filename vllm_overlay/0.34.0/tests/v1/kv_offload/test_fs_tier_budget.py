@@ -1625,6 +1625,51 @@ def test_a_ledger_that_is_not_one_is_not_believed(tmp_path, monkeypatch):
         assert not stopping.is_alive()
 
 
+def test_an_engine_counts_another_whose_ledger_it_first_read_late(
+    tmp_path, monkeypatch
+):
+    """An engine that starts after another stored and removed more than
+    max_bytes over its life takes that ledger as it finds it and counts its
+    changes from then on (a ledger's history is no reason to ignore it)."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01)
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9)
+    root = str(tmp_path)
+    ledgers = os.path.join(root, budget_module.LEDGER_DIR)
+    os.makedirs(ledgers)
+    other = os.path.join(ledgers, "other")
+    with open(other, "wb") as f:
+        f.write(struct.pack("<qq", 20 * 4096, 18 * 4096))
+    budget, _ = _budget_on(root, 16)
+    try:
+        with open(other, "r+b") as f:
+            f.write(struct.pack("<qq", 21 * 4096, 18 * 4096))
+        wait_until(lambda: budget.others == 4096)
+    finally:
+        budget.shutdown()
+
+
+def test_an_engine_alone_whose_files_went_keeps_storing(tmp_path):
+    """Alone on its root, an engine whose files were removed behind its
+    back (a wiped cache) evicts them as gone and stores again: nothing it
+    could not remove is counted against the budget."""
+    root = str(tmp_path)
+    budget, path_of = _budget_on(root, 4)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 9)]
+    try:
+        for i, k in enumerate(keys[:4]):
+            _store_one(budget, path_of, k, f"a{i}")
+        for k in keys[:4]:
+            os.remove(path_of(k))
+        for i, k in enumerate(keys[4:]):
+            _store_one(budget, path_of, k, f"b{i}")
+        assert budget.rejected_files == 0 and budget.others == 0
+        assert len(block_files(root)) == 4
+    finally:
+        budget.shutdown()
+
+
 @pytest.mark.parametrize("max_bytes", [0, -4096, 4095, "1G", 4096.0, True])
 def test_bad_max_bytes_is_refused_before_any_thread_starts(tmp_path, max_bytes):
     """max_bytes <= 0, not an integer, or smaller than one chunk of every

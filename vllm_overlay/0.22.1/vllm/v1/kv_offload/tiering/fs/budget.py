@@ -26,7 +26,8 @@ Design principles:
       raised), so they evict the same oldest chunks, and a victim another
       engine raised is kept. An engine that stops or crashes leaves files,
       which the others count and evict, and a ledger, which stops changing.
-      A single engine never lists its root again.
+      An engine alone on its root lists it again only if it finds files it
+      did not index.
     - The scheduler thread only posts. Its calls append events and read the
       chunks being removed: no filesystem call, no wait on eviction.
 
@@ -309,6 +310,8 @@ class FsTierBudget:
         self.others = 0
         self._ledgers = _Ledgers(rank_dir, self.max_bytes, label)
         self._next_rescan = self._listed_at = 0.0
+        # another engine's files found unindexed, or victims kept: list again
+        self._relist = False
 
     # ---- scheduler thread: O(1) per key, no filesystem call ---------------
 
@@ -476,8 +479,11 @@ class FsTierBudget:
         with self._lock:
             self.removal_errors += errors
             self.removed_bytes -= not_removed  # counted when evicted
-            # on disk but not indexed, or counted removed in others already
-            self.others += not_removed
+            if shared and not_removed:
+                # on disk but not indexed, or counted removed in others
+                # already; the next listing counts them
+                self.others += not_removed
+                self._relist = True
         with self._removing_lock:
             for h, _, _ in evicted:
                 self._settle(h, _FILES_GONE)
@@ -741,6 +747,7 @@ class FsTierBudget:
         self.used += self._bytes(bit)
         if self.scan_done.is_set():  # another engine's: counted in others
             self.others -= self._bytes(bit)
+            self._relist = True
         self._dirty.add(h)
         self._mark_changed(h)
         return True
@@ -858,12 +865,12 @@ class FsTierBudget:
             self._wake.clear()
             try:
                 self._tick()
-                if (
-                    time.monotonic() >= self._next_rescan
+                if time.monotonic() >= self._next_rescan and (
                     # a ledger moves as a job is admitted, its files change
                     # later: list until one listing began ROOT_RESCAN_S after
                     # the last change seen
-                    and self._ledgers.changed_at + ROOT_RESCAN_S > self._listed_at
+                    self._ledgers.changed_at + ROOT_RESCAN_S > self._listed_at
+                    or self._relist
                 ):
                     self._rescan()
             except Exception as e:  # reported, rate-limited; the next tick retries
@@ -944,8 +951,9 @@ class FsTierBudget:
         engines' evictions); then evict down to max_bytes. A chunk stored,
         evicted or found since the listing began is left as it is: the
         listing may have missed that."""
-        start = self._listed_at = time.monotonic()
+        start = time.monotonic()
         with self._lock:
+            self._relist = False
             self._changed = set()
             indexed = list(self._chunks)
             own = (self.added_bytes, self.removed_bytes)
@@ -990,6 +998,7 @@ class FsTierBudget:
         others = self._ledgers.listed(at_start, at_end)
         with self._lock:  # the index is the listing now
             self.others = others
+        self._listed_at = start
         self._ledgers.remove_stale(max(LEDGER_STALE_S, 100 * took))
         self.rescans += 1
         if start_up:
@@ -1143,10 +1152,10 @@ class _Ledgers:
     its start (two 8-byte integers). Owned by the budget thread.
 
     Another engine's stores and removals since a listing are its ledger now
-    less its ledger then: counted at once, without a listing. An engine
-    that stopped (its ledger gone) changes nothing since its last read, and
-    a ledger that is not a 16-byte regular file, or moves back, or jumps by
-    more than max_bytes in one read, is not believed (unchanged).
+    less its ledger then: counted at once, without a listing. An engine that
+    stopped (its ledger gone) counts as last read. A ledger not read before,
+    or that moves back or by more than max_bytes in one read, counts nothing
+    and asks for a listing (changed_at), which counts the files themselves.
     """
 
     def __init__(self, rank_dir: str, max_bytes: int, label: str) -> None:
@@ -1162,6 +1171,7 @@ class _Ledgers:
         self.shared = False
         # when another engine's ledger was last seen to change (monotonic)
         self.changed_at = -math.inf
+        self._dir_mtime = 0
         self.errors = 0
         self._next_warning = 0.0
 
@@ -1177,27 +1187,43 @@ class _Ledgers:
         last = self._last
         read = self.read_others()
         self._last = {**last, **read}  # a stopped engine: as last read
-        if any(last.get(n) != x for n, x in read.items()):
-            self.changed_at = now
-        return sum(
-            _net(ledger) - _net(last.get(name, (0, 0))) for name, ledger in read.items()
-        )
+        return sum(self._delta(last.get(n), x) for n, x in read.items())
+
+    def _delta(self, last: Ledger | None, now: Ledger) -> int:
+        """An engine's net bytes since its last read. One not read before
+        (it started, or this engine did, since the listing), or one that
+        moved back or by more than max_bytes, counts nothing: the next
+        listing, which it asks for, counts its files."""
+        if last is None or not (
+            last[0] <= now[0] <= last[0] + self._max_bytes
+            and last[1] <= now[1] <= last[1] + self._max_bytes
+        ):
+            self.changed_at = time.monotonic()
+            return 0
+        if now != last:
+            self.changed_at = time.monotonic()
+        return _net(now) - _net(last)
 
     def read_others(self) -> dict[str, Ledger]:
-        """The other engines' ledgers that can be believed."""
+        """The other engines' ledgers (16-byte regular files). A change of
+        the ledgers' directory (an engine came or went, even between two
+        reads) asks for a listing."""
+        with contextlib.suppress(OSError):
+            mtime = os.stat(self._dir).st_mtime_ns
+            if mtime != self._dir_mtime:
+                self._dir_mtime = mtime
+                if self.shared or any(
+                    e.name != self._name for e in _scandir(self._dir)
+                ):
+                    self.changed_at = time.monotonic()
         out: dict[str, Ledger] = {}
         for entry in _scandir(self._dir):
             if entry.name == self._name:
                 continue
             ledger = self._read(entry.path)
-            last = self._last.get(entry.name, (0, 0))
-            if ledger is None or not (
-                last[0] <= ledger[0] <= last[0] + self._max_bytes
-                and last[1] <= ledger[1] <= last[1] + self._max_bytes
-            ):
-                continue  # not a ledger, or not believable: as last read
-            out[entry.name] = ledger
-            self.shared = True
+            if ledger is not None and min(ledger) >= 0:
+                out[entry.name] = ledger
+                self.shared = True
         return out
 
     @staticmethod
@@ -1223,11 +1249,14 @@ class _Ledgers:
         their net bytes since, counting the files they added since it began
         (it may have missed them) and removed since it ended."""
         self._last = dict(at_end)
-        if any(at_start.get(n) != x for n, x in at_end.items()):
-            self.changed_at = time.monotonic()
-        return sum(
-            ledger[0] - at_start.get(name, (0, 0))[0] for name, ledger in at_end.items()
-        )
+        added = 0
+        for name, ledger in at_end.items():
+            start = at_start.get(name)
+            if start is None or start != ledger:
+                self.changed_at = time.monotonic()  # list again
+            if start is not None and 0 <= ledger[0] - start[0] <= self._max_bytes:
+                added += ledger[0] - start[0]
+        return added
 
     def publish(self, own: Ledger) -> None:
         self._publish(own, False)
