@@ -150,13 +150,9 @@ class SchedSide:
         self.timed(sched.request_finished, req)
         # the cascade to disk runs untimed (the I/O threads' time is not the scheduler's);
         # then one engine step (timed) collects the finished jobs
-        deadline = time.monotonic() + 60
-        while len(self.tier._pool._finished_q) < len(self.tier._job_keys):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the fs tier's store jobs did not finish in 60 s")
-            time.sleep(0.002)
+        self.tier._pool.wait_idle()
         self.timed(sched.take_events)
-        if self.tier._job_keys:
+        if self.tier._pool._finished_q:
             raise RuntimeError("the fs tier's finished jobs were not collected")
         self.keys += len(block_hashes)
 

@@ -18,7 +18,11 @@ from _lib import SERIES_VERSION, UserError, overlay_dir, rel, run_main, say, ser
 # Identical on both tracks: a change to one is made to the other in the same commit.
 SHARED = (
     "vllm/v1/kv_offload/tiering/fs/budget.py",
+    "vllm/v1/kv_offload/tiering/fs/files.py",
+    "vllm/v1/kv_offload/tiering/fs/layouts.py",
+    "vllm/v1/kv_offload/tiering/fs/report.py",
     "vllm/v1/kv_offload/tiering/fs/security.py",
+    "vllm/v1/kv_offload/tiering/fs/thread_pool.py",
 )
 # The fs tier's code on the upstream track, for the shared-lines figure.
 FS_TIER = ("vllm/v1/kv_offload/tiering/fs/*.py", "csrc/fs_io.cpp")

@@ -414,15 +414,13 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
     from types import SimpleNamespace
 
     from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
-    from vllm.v1.kv_offload.tiering.fs import thread_pool
+    from vllm.v1.kv_offload.tiering.fs import report
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     clock = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(
-        thread_pool, "time", SimpleNamespace(monotonic=lambda: clock.now)
-    )
+    monkeypatch.setattr(report, "time", SimpleNamespace(monotonic=lambda: clock.now))
     monkeypatch.setattr(fs_manager, "store_block", disk_full)
     tier = _make_tier(str(tmp_path), np.zeros((8, 4096), dtype=np.uint8))
 
@@ -434,13 +432,14 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
         assert len(results) == n and not any(r.success for r in results)
 
     def reports() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "failed in" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records]
+        return [line for line in lines if "since the previous report" in line]
 
     with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
         store_jobs(0, 1)
         assert len(reports()) == 1
         store_jobs(1, 3)  # within the interval: counted, not logged
-        clock.now += thread_pool.FAILURE_REPORT_INTERVAL_S - 1
+        clock.now += report.REPORT_INTERVAL_S - 1
         list(tier.get_finished())
         assert len(reports()) == 1
         clock.now += 1  # the interval has passed: polling reports them
@@ -451,9 +450,9 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
     prefix = f"fs_python tier at {tmp_path}: "
     error = "[Errno 28] No space left on device"
     assert reports() == [
-        prefix + f"{n} of {n} block writes and 0 of 0 block reads failed in {j} "
-        "job(s) since the previous report; failed writes are not stored and "
-        f"failed reads are not served (recomputed instead). Last error: {error}"
+        prefix + f"{j} store job(s) and 0 load job(s) failed since the previous "
+        f"report: {n} block(s) not stored, 0 not loaded (they are recomputed). "
+        f"Last error: {error}"
         for n, j in [(2, 1), (6, 3), (2, 1)]
     ]
 
@@ -1124,7 +1123,9 @@ def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
         assert os.path.isdir(path)
         assert tier.lookup(key(1), _CTX) is False
         (report,) = [
-            r.getMessage() for r in caplog.records if "failed in" in r.getMessage()
+            r.getMessage()
+            for r in caplog.records
+            if "since the previous report" in r.getMessage()
         ]
         assert path in report
 
@@ -1474,6 +1475,52 @@ def test_tier_recreates_its_config_when_its_root_is_removed(tmp_path, caplog):
     finally:
         tier.shutdown()
     assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+
+def test_config_re_creation_failures_are_reported_rate_limited(
+    tmp_path, monkeypatch, caplog
+):
+    """The root is removed and config.json cannot be re-created (here its
+    write fails with ENOSPC): the stores go on, and the tier says so with
+    counts, at most once per interval (not once per new block directory)."""
+    import errno
+    import shutil
+
+    import vllm.v1.kv_offload.tiering.fs.manager as fs_manager
+    from vllm.v1.kv_offload.tiering.fs.report import Throttle
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    root = tmp_path / "root"
+    rows = _aligned_rows(4)
+    tier = _make_tier(str(root), rows)
+
+    def warnings() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if "could not re-create" in r.getMessage()
+        ]
+
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        shutil.rmtree(root)
+        monkeypatch.setattr(fs_manager, "write_file_atomically", full_disk)
+        with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+            for job_id in range(1, 9):  # keys in 8 new block directories
+                tier.submit_store(make_job(job_id, [key(job_id << 56)], [0]))
+                assert [r.success for r in _finish(tier)] == [True]
+            (line,) = warnings()
+            assert "(1 failed attempt(s) since the last warning" in line
+            assert config_path in line
+            tier._config_throttle = Throttle(0.0)  # the interval is over
+            tier.submit_store(make_job(9, [key(9 << 56)], [0]))
+            assert [r.success for r in _finish(tier)] == [True]
+        assert len(warnings()) == 2
+        assert "(8 failed attempt(s) since the last warning" in warnings()[1]
+    finally:
+        tier.shutdown()
 
 
 def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):

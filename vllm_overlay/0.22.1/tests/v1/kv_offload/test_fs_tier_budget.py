@@ -42,6 +42,7 @@ from test_tiering_hma import (  # noqa: F401 (fixtures)
 )
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.fs import layouts as fs_layouts
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -1372,7 +1373,7 @@ def test_other_layouts_are_named_least_recently_used_first(
     start and every LAYOUT_MARK_INTERVAL_S until shutdown, and the start-up
     line names the other layouts least recently used first, each with how
     long ago: an operator tells a layout nobody runs from another engine's."""
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 0.05)
     rows = _aligned_rows(2)
     root = str(tmp_path)
     first = make_tier(root, rows)
@@ -1399,7 +1400,7 @@ def test_other_layouts_are_named_least_recently_used_first(
         os.utime(other, (now - age_s, now - age_s))
         expected.append(f"'{model}_{i:012x}' (last used {age} ago;")
     os.utime(layout_dir, (old, old))
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 3600.0)
     with caplog.at_level(logging.INFO):
         make_tier(root, rows).shutdown()
     (line,) = [
@@ -1460,9 +1461,9 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
 ):
     """A layout mark that keeps failing (a read-only root, another owner) is a
     warning at the first failure and then once every
-    _MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
+    MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
     once it works again: never silent, and not a line per interval for ever."""
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.01)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 0.01)
     real_utime = os.utime
     state = {"fail": False, "failures": 0}
 
@@ -1492,7 +1493,7 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
         finally:
             tier.shutdown()
     failures = state["failures"]
-    every = fs_manager._MARK_FAILURES_REPORTED_EVERY
+    every = fs_layouts.MARK_FAILURES_REPORTED_EVERY
     warnings = messages("could not mark its layout in use")
     assert len(warnings) == -(-failures // every) >= 2, (failures, warnings)
     assert "(1 time(s) in a row; " in warnings[0], warnings
@@ -1751,7 +1752,8 @@ def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, ca
         assert "(2 and 2 since start)" in rejections[1]
         # the I/O failure line counts the failed write only
         assert len(errors) == 1, errors
-        assert "1 of 1 block writes" in errors[0]
+        assert "1 store job(s) and 0 load job(s) failed" in errors[0]
+        assert "1 block(s) not stored, 0 not loaded" in errors[0]
         assert "no room in max_bytes" not in errors[0]
     finally:
         tier.shutdown()

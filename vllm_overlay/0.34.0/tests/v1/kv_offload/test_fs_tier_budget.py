@@ -66,6 +66,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs import layouts as fs_layouts
 from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -1762,7 +1763,7 @@ def test_other_layouts_are_named_least_recently_used_first(
     start and every LAYOUT_MARK_INTERVAL_S until shutdown, and the start-up
     line names the other layouts least recently used first, each with how
     long ago: an operator tells a layout nobody runs from another engine's."""
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.05)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 0.05)
     rows = _page_aligned_zero_tensor(2, _ROW_ELEMENTS)
     root = str(tmp_path)
     first = make_tier(root, rows)
@@ -1789,7 +1790,7 @@ def test_other_layouts_are_named_least_recently_used_first(
         os.utime(other, (now - age_s, now - age_s))
         expected.append(f"'{model}_{i:012x}' (last used {age} ago;")
     os.utime(layout_dir, (old, old))
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 3600.0)
     with caplog_vllm.at_level(logging.INFO):
         make_tier(root, rows).shutdown()
     (line,) = [
@@ -1853,9 +1854,9 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
 ):
     """A layout mark that keeps failing (a read-only root, another owner) is a
     warning at the first failure and then once every
-    _MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
+    MARK_FAILURES_REPORTED_EVERY failures, with the count, and an info line
     once it works again: never silent, and not a line per interval for ever."""
-    monkeypatch.setattr(fs_manager, "LAYOUT_MARK_INTERVAL_S", 0.01)
+    monkeypatch.setattr(fs_layouts, "LAYOUT_MARK_INTERVAL_S", 0.01)
     real_utime = os.utime
     state = {"fail": False, "failures": 0}
 
@@ -1885,7 +1886,7 @@ def test_a_failing_layout_mark_is_reported_rate_limited_with_counts(
         finally:
             tier.shutdown()
     failures = state["failures"]
-    every = fs_manager._MARK_FAILURES_REPORTED_EVERY
+    every = fs_layouts.MARK_FAILURES_REPORTED_EVERY
     warnings = messages("could not mark its layout in use")
     assert len(warnings) == -(-failures // every) >= 2, (failures, warnings)
     assert "(1 time(s) in a row; " in warnings[0], warnings

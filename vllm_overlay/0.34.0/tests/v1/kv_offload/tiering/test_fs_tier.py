@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import (
     FileSystemTierManager,
 )
+from vllm.v1.kv_offload.tiering.fs.report import Throttle
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 # ---------------------------------------------------------------------------
@@ -527,6 +528,90 @@ def test_wait_idle_blocks_until_tasks_complete():
         gate.set()
         pool.shutdown(wait=True)
         waiter.join(timeout=5.0)
+
+
+def test_a_job_comes_back_with_its_record_and_every_task_outcome():
+    """A job's outcome travels with it: what the tier enqueued it with and
+    each task's return value or exception (without its traceback, which
+    would pin the I/O buffers), in submission order, whichever thread ran
+    which task; a job of no task is finished at once (wait_idle returns)."""
+    pool = DualQueueThreadPool(n_read_threads=2, n_write_threads=2)
+    record = object()
+
+    def fail() -> None:
+        raise OSError(errno.EIO, "injected")
+
+    try:
+        pool.enqueue_load(7, 3, [lambda: "a", fail, lambda: None], record, blocks=3)
+        pool.enqueue_store(8, 0, [], "empty")
+        pool.wait_idle()
+        jobs = {job.job_id: job for job in pool.get_finished()}
+    finally:
+        pool.shutdown(wait=True)
+    assert jobs.keys() == {7, 8}
+    assert jobs[7].record is record
+    first, error, last = jobs[7].outcomes
+    assert (first, last) == ("a", None)
+    assert isinstance(error, OSError) and error.__traceback__ is None
+    assert jobs[7].failed == [1]
+    assert jobs[8].record == "empty" and jobs[8].outcomes == []
+
+
+def test_a_pool_keeps_no_job_it_handed_back():
+    """Once a job is handed back, the pool holds nothing of it: an idle
+    worker thread does not pin the last job it ran (its record holds a
+    request's context); a job is refused if its task count is wrong."""
+    import gc
+    import weakref
+
+    class Record:
+        pass
+
+    pool = DualQueueThreadPool(n_read_threads=1, n_write_threads=1)
+    try:
+        record = Record()
+        held = weakref.ref(record)
+        pool.enqueue_store(1, 1, [lambda: None], record)
+        pool.wait_idle()
+        assert [job.record for job in pool.get_finished()] == [record]
+        del record
+        gc.collect()
+        assert held() is None, "an idle worker still holds the job"
+        with pytest.raises(ValueError, match="2 tasks, not 1"):
+            pool.enqueue_load(2, 1, [lambda: None, lambda: None])
+    finally:
+        pool.shutdown(wait=True)
+
+
+def test_a_throttle_says_one_line_per_interval_whoever_asks(monkeypatch):
+    """Every report of the fs tier is rate-limited by report.Throttle: the
+    first line at once, then one per interval, told to one of the threads
+    asking at the same time; force (shutdown) says it whatever the time."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.tiering.fs import report
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(report, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    throttle = Throttle(30.0)
+    start = threading.Barrier(8)
+    answers: list[bool] = []
+
+    def ask() -> None:
+        start.wait()
+        answers.append(throttle.due())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(answers) == [False] * 7 + [True]
+    clock.now += 29.9
+    assert not throttle.due()
+    assert throttle.due(force=True)
+    clock.now += 30.0
+    assert throttle.due() and not throttle.due()
 
 
 def test_batch_lookup_c_extension(tmp_path):
@@ -1116,15 +1201,13 @@ def test_failing_tier_reports_rate_limited_with_counts(
     from types import SimpleNamespace
 
     from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
-    from vllm.v1.kv_offload.tiering.fs import thread_pool
+    from vllm.v1.kv_offload.tiering.fs import report
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     clock = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(
-        thread_pool, "time", SimpleNamespace(monotonic=lambda: clock.now)
-    )
+    monkeypatch.setattr(report, "time", SimpleNamespace(monotonic=lambda: clock.now))
     monkeypatch.setattr(fs_manager, "batch_store_block", disk_full)
     tensor = _page_aligned_zero_tensor(_NUM_BLOCKS, _BLOCK_ELEMENTS)
     tier = FileSystemTierManager(
@@ -1151,7 +1234,7 @@ def test_failing_tier_reports_rate_limited_with_counts(
         tier.submit_load(make_job(10, [key(99)], [0], is_promotion=True))
         assert [r.success for r in drain(tier)] == [False]  # no such file
         assert len(errors()) == 1, "one ERROR per failed job"
-        clock.now += thread_pool.FAILURE_REPORT_INTERVAL_S - 1
+        clock.now += report.REPORT_INTERVAL_S - 1
         assert list(tier.get_finished_jobs()) == []
         assert len(errors()) == 1
         clock.now += 1  # the interval has passed: polling reports them
@@ -1161,10 +1244,11 @@ def test_failing_tier_reports_rate_limited_with_counts(
     finally:
         tier.shutdown()
     label = f"'fs' KV offload tier at {tmp_path}"
+    since = "failed since the previous report"
     assert [line.split(" (")[0] for line in errors()] == [
-        f"{label}: 1 store job(s) and 0 load job(s) failed since the previous report",
-        f"{label}: 3 store job(s) and 1 load job(s) failed since the previous report",
-        f"{label}: 1 store job(s) and 0 load job(s) failed since the previous report",
+        f"{label}: {stores} store job(s) and {loads} load job(s) {since}: "
+        f"{blocks} block(s) not stored, {loads} not loaded"
+        for stores, loads, blocks in [(1, 0, 2), (3, 1, 6), (1, 0, 2)]
     ]
     assert errors()[0].endswith("[Errno 28] No space left on device")
 
@@ -1307,8 +1391,7 @@ def test_config_re_creation_failures_are_reported_rate_limited(
             assert [r.success for r in drain(tier)] == [True]
         (line,) = warnings()
         assert "1 failed attempt(s)" in line and config_path in line
-        monkeypatch.setattr(fs_manager, "FAILURE_REPORT_INTERVAL_S", 0.0)
-        tier._next_config_warning = float("-inf")  # the interval is over
+        tier._config_throttle = Throttle(0.0)  # the interval is over
         tier.submit_store(make_job(4, [key(4)], [0]))
         assert [r.success for r in drain(tier)] == [True]
         assert len(warnings()) == 2
@@ -1526,7 +1609,7 @@ def test_partially_failed_store_emits_no_event(fs_tier_with_events, monkeypatch)
     assert len(results) == 1
     assert not results[0].success
     assert list(tier.take_events()) == []
-    assert tier._store_jobs == {}
+    assert tier._pool._inflight_jobs == 0 and not tier._pool._finished_q
 
 
 def test_events_disabled_by_default(fs_tier):
@@ -1536,7 +1619,7 @@ def test_events_disabled_by_default(fs_tier):
     assert len(results) == 1
     assert results[0].success
     assert tier.events is None
-    assert tier._store_jobs == {}
+    assert tier._pool._inflight_jobs == 0 and not tier._pool._finished_q
     assert list(tier.take_events()) == []
 
 
@@ -1557,7 +1640,7 @@ def test_events_require_global_kv_events_flag(tmp_path):
         assert len(results) == 1
         assert results[0].success
         assert list(tier.take_events()) == []
-        assert tier._store_jobs == {}
+        assert tier._pool._inflight_jobs == 0 and not tier._pool._finished_q
     finally:
         tier.shutdown()
 

@@ -65,7 +65,7 @@ Invariants:
     - Bounded: the index by max_bytes (one entry per chunk on disk), the
       requests' positions by MAX_TRACKED_KEYS, the events by MAX_EVENTS (the
       budget thread is woken to apply them), the reports by
-      REPORT_INTERVAL_S.
+      report.REPORT_INTERVAL_S.
 
 Shared roots: the root's files may exceed max_bytes by one store job per
 engine and what the others' ledgers did not show yet: their stores of a
@@ -93,6 +93,7 @@ from itertools import islice
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
+from vllm.v1.kv_offload.tiering.fs.report import Throttle
 
 logger = init_logger(__name__)
 
@@ -111,8 +112,7 @@ MAX_EVENTS = 65536
 # The budget thread's period: events applied, eviction ahead, file times.
 BUDGET_INTERVAL_S = 0.05
 # The budget's report and the rejection warning: at most one line each per
-# interval, and only when something changed.
-REPORT_INTERVAL_S = 30.0
+# report.REPORT_INTERVAL_S, and only when something changed.
 # Chunks of earlier runs indexed per lock hold at start (a few ms), and the
 # pause after each, so the scheduler thread's posts are applied meanwhile.
 SCAN_BATCH = 1024
@@ -280,10 +280,9 @@ class FsTierBudget:
         self.removal_errors = 0
         self._reported = (0, 0, 0)
         self._warned = (0, 0)
-        self._next_report = self._next_warning = 0.0
-        self._warning_lock = threading.Lock()
+        self._report_throttle, self._warning_throttle = Throttle(), Throttle()
         self._errors = 0  # the budget thread's failures
-        self._next_error_report = 0.0
+        self._error_throttle = Throttle()
 
         self._wake = threading.Event()
         self._stop = False
@@ -431,7 +430,7 @@ class FsTierBudget:
         self._persist_times()
         self._ledgers.close()
         self._report(force=True)
-        self._warn_rejections()
+        self._warn_rejections(force=True)
 
     # ---- I/O threads ------------------------------------------------------
 
@@ -451,7 +450,7 @@ class FsTierBudget:
             job.result = (rejected, unreachable, [])
         if self.used + self.others > self.max_bytes * HIGH_WATER // 100:
             self._wake.set()  # evict ahead, off the write path
-        if rejected and time.monotonic() >= self._next_warning:
+        if rejected:
             self._warn_rejections()
         return rejected, unreachable, evicted
 
@@ -875,8 +874,7 @@ class FsTierBudget:
                     self._rescan()
             except Exception as e:  # reported, rate-limited; the next tick retries
                 self._errors += 1
-                if time.monotonic() >= self._next_error_report:
-                    self._next_error_report = time.monotonic() + REPORT_INTERVAL_S
+                if self._error_throttle.due():
                     logger.exception(
                         "%s: the budget thread failed %d time(s) since start: %s",
                         self._label,
@@ -908,11 +906,9 @@ class FsTierBudget:
                 own = (self.added_bytes, self.removed_bytes)
             self._ledgers.publish(own)  # before the others evict the same
         self._persist_times()
-        now = time.monotonic()
-        if now >= self._next_report:
+        if self._report_throttle.due():
             self._report()
-        if now >= self._next_warning:
-            self._warn_rejections()
+        self._warn_rejections()
 
     def _count_others(self) -> None:
         """Publish this engine's ledger and count the others' changes."""
@@ -1093,7 +1089,6 @@ class FsTierBudget:
     # ---- reports ----------------------------------------------------------
 
     def _report(self, force: bool = False) -> None:
-        self._next_report = time.monotonic() + REPORT_INTERVAL_S
         now = (self.used + self.unlinking, self.evicted_files, self.rejected_files)
         if now == self._reported and not force:
             return
@@ -1113,20 +1108,14 @@ class FsTierBudget:
         )
         self._reported = now
 
-    def _warn_rejections(self) -> None:
+    def _warn_rejections(self, force: bool = False) -> None:
         """Stores refused since the previous warning, if any: at most one
-        line per REPORT_INTERVAL_S, said by one thread."""
-        if not self._warning_lock.acquire(blocking=False):
-            return  # another thread is saying it
-        try:
-            files, jobs = self.rejected_files, self.rejected_jobs
-            last_files, last_jobs = self._warned
-            if files == last_files:
-                return
-            self._warned = (files, jobs)
-            self._next_warning = time.monotonic() + REPORT_INTERVAL_S
-        finally:
-            self._warning_lock.release()
+        line per REPORT_INTERVAL_S (report.Throttle: said by one thread)."""
+        files, jobs = self.rejected_files, self.rejected_jobs
+        last_files, last_jobs = self._warned
+        if files == last_files or not self._warning_throttle.due(force):
+            return
+        self._warned = (files, jobs)
         logger.warning(
             "%s: %d block file(s) of %d store job(s) not written since the "
             "previous report (%d and %d since start): no room in "
@@ -1173,7 +1162,7 @@ class _Ledgers:
         self.changed_at = -math.inf
         self._dir_mtime = 0
         self.errors = 0
-        self._next_warning = 0.0
+        self._warning = Throttle()
 
     def others_since(self, own: Ledger, force: bool = False) -> int:
         """Publish this engine's ledger; the other engines' net bytes since
@@ -1288,8 +1277,7 @@ class _Ledgers:
             self._published = own
         except OSError as e:  # the others miss this engine's bytes meanwhile
             self.errors += 1
-            if time.monotonic() >= self._next_warning:
-                self._next_warning = time.monotonic() + REPORT_INTERVAL_S
+            if self._warning.due():
                 logger.warning(
                     "%s: could not write this engine's budget ledger in %s "
                     "(%d time(s) since start): %s. The other engines on the "

@@ -9,16 +9,11 @@ import logging
 import mmap
 import os
 import platform
-import random
 import stat
 import sys
 import threading
-import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-
-import regex as re
+from collections.abc import Callable, Sequence
 
 try:
     import xxhash
@@ -33,7 +28,17 @@ try:
 except ImportError:
     fs_io_C = None
 
+from vllm.v1.kv_offload.tiering.fs.files import (
+    PRIVATE_MODES,
+    FileModes,
+    get_tmp_suffix,
+    make_dirs,
+)
+
 logger = logging.getLogger(__name__)
+
+# Per-thread page-aligned buffers (_bounce(), BlockChecksum.trailer())
+_thread_local = threading.local()
 
 # O_DIRECT is Linux-specific and not available on macOS
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -264,45 +269,6 @@ def _publish_if_absent(tmp_path: str, dest_path: str) -> bool:
     return True
 
 
-# Thread-local storage for unique temporary file suffixes
-_thread_local = threading.local()
-
-# The fs tier's temp files, see _get_tmp_suffix(): a block's
-# (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
-# (.direct_io_probe_<n>.tmp, .xattr_probe_<n>.tmp) and config.json's
-# (config.json_<n>.tmp).
-_TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.direct_io_probe|\.xattr_probe|^config\.json)_[0-9]+\.tmp$"
-)
-
-
-def _get_tmp_suffix() -> str:
-    """Generate a thread-local unique suffix for temporary files."""
-    try:
-        return _thread_local.tmp_suffix
-    except AttributeError:
-        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
-        return _thread_local.tmp_suffix
-
-
-@dataclass(frozen=True)
-class FileModes:
-    """The modes of what the tier creates: KV blocks are users' data, so
-    only the tier's own user (and, with group access, its group) may read
-    them or write into the tree. Set exactly (fchmod/chmod after creating),
-    whatever the process umask."""
-
-    file: int
-    dir: int
-
-
-PRIVATE_MODES = FileModes(file=0o600, dir=0o700)
-# For a root shared between service accounts of one group: the group reads
-# blocks, and stores into directories another account created (group
-# write; setgid, so that files and directories keep the group).
-GROUP_MODES = FileModes(file=0o640, dir=0o2770)
-
-
 def umask_narrows(mode: int) -> bool:
     """Whether the process umask clears bits of *mode*: only then does a file
     created with *mode* need an fchmod to get it exactly (the umask only ever
@@ -317,119 +283,6 @@ def umask_narrows(mode: int) -> bool:
     except (OSError, ValueError):
         pass
     return True
-
-
-def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
-    """Create *path* and its missing parents with modes.dir (os.makedirs
-    gives the parents 0o777 & ~umask). Returns whether any was created."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, modes.dir)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
-            continue  # created by another thread or engine meanwhile
-        os.chmod(directory, modes.dir)
-    return bool(missing)
-
-
-def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
-    """Write *data* to *path* through a temp file renamed into place, with
-    modes.file: a reader (another engine sharing the root) never sees part
-    of it, and a write cut short (a full disk, a crash) leaves no *path*."""
-    tmp_path = path + _get_tmp_suffix()
-    try:
-        fd = os.open(
-            tmp_path,
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW,
-            modes.file,
-        )
-        try:
-            os.fchmod(fd, modes.file)
-            view = memoryview(data)
-            while view:  # a write may be short (a file size limit, NFS)
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp_path, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp_path)
-
-
-@dataclass
-class TierScan:
-    """What scan_tier_files() found."""
-
-    # stale temp files removed, and their bytes
-    removed: int = 0
-    removed_bytes: int = 0
-    # files and directories with mode bits beyond the tier's modes
-    too_open: int = 0
-    too_open_example: tuple[str, int] | None = None  # (path, mode)
-
-
-def scan_tier_files(
-    directories: Iterable[str],
-    max_tmp_age_s: float | None,
-    modes: FileModes,
-    stop: threading.Event,
-) -> TierScan:
-    """Walk the tier's *directories* once at start-up:
-
-    - remove this module's temp files last modified more than *max_tmp_age_s*
-      seconds ago (None: none): left by writers killed between writing a
-      block and renaming it into place (a live writer renames within
-      milliseconds). Several engines may share a directory, so age is the
-      only evidence a writer is gone. Other files are kept;
-    - count the files and directories with mode bits beyond *modes* (written
-      before the tier created them private, or by hand), so that the tier
-      reports them instead of silently serving from them.
-
-    Stops early when *stop* is set.
-    """
-    oldest_kept = time.time() - (max_tmp_age_s or 0.0)
-    scan = TierScan()
-
-    def check_mode(path: str, mode: int, allowed: int) -> None:
-        if stat.S_IMODE(mode) & ~allowed:
-            scan.too_open += 1
-            if scan.too_open_example is None:
-                scan.too_open_example = (path, stat.S_IMODE(mode))
-
-    for directory in directories:
-        for dirpath, _, filenames in os.walk(directory):
-            if stop.is_set():
-                return scan
-            with contextlib.suppress(OSError):
-                check_mode(dirpath, os.lstat(dirpath).st_mode, modes.dir)
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(path)
-                except OSError:
-                    continue
-                if (
-                    max_tmp_age_s is not None
-                    and _TMP_NAME_RE.search(name) is not None
-                    and stat.S_ISREG(st.st_mode)
-                    and st.st_mtime <= oldest_kept
-                ):
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
-                        scan.removed += 1
-                        scan.removed_bytes += st.st_size
-                    continue
-                if not stat.S_ISLNK(st.st_mode):
-                    check_mode(path, st.st_mode, modes.file)
-    return scan
 
 
 # "auto" is crc32c where fs_io_C is built (computed in C with the block's
@@ -466,7 +319,7 @@ def probe_user_xattrs(directory: str, modes: FileModes = PRIVATE_MODES) -> str |
     and the answer decides the file format."""
     if not hasattr(os, "setxattr"):
         return "extended attributes are not available on this platform"
-    probe_path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
+    probe_path = os.path.join(directory, f".xattr_probe{get_tmp_suffix()}")
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW
     fd = os.open(probe_path, flags, modes.file)
     try:
@@ -683,7 +536,7 @@ def probe_direct_io(
             f"the primary tier's rows ({block_size} bytes at address "
             f"{address:#x}) are not aligned to the page size ({mmap.PAGESIZE})"
         ), False
-    probe_path = os.path.join(directory, f".direct_io_probe{_get_tmp_suffix()}")
+    probe_path = os.path.join(directory, f".direct_io_probe{get_tmp_suffix()}")
     probe_buf = mmap.mmap(-1, block_size)
     try:
         # Created without O_DIRECT first: a directory that cannot be written
@@ -757,12 +610,7 @@ def store_block(
     Store callback: Writes to a temp file then atomically replaces the destination.
     Uses O_DIRECT if direct_io (see probe_direct_io()), else buffered I/O.
 
-    An existing block file is kept (the store's temp file removed) only if
-    it is a regular file of exactly block_size bytes (plus the checksum's trailer, if
-    any) that has the extended attribute its checksum lives in, if any;
-    anything else at dest_path (a short or long file, an empty directory) is
-    replaced, and a store that cannot replace it (a non-empty directory)
-    fails: a store never reports success for bytes it did not write. With
+    What is at dest_path already is kept or replaced by _replace(). With
     overwrite (the file's load failed), even a complete-looking file is
     replaced. With a checksum, its value (of *key* and the block) is set as
     the file's extended attribute before the file is published, or written
@@ -777,85 +625,45 @@ def store_block(
     in a page-aligned buffer; without, the block_size bytes at *offset*.
 
     A store costs its syscalls (each also a GIL hand-over between the I/O
-    threads), so it takes no look before it writes: the directory is looked
-    at only when the temp file cannot be created in it, and dest_path only
-    when the temp file cannot be published there with RENAME_NOREPLACE
-    (the name is taken, or the flag is unsupported).
-
-    Where fs_io_C is in use (_c_path_in_use()), a store without a checksum
-    or with crc32c in an xattr, and not an overwrite, is first tried in one
-    C call (fs_io_C.store_new_block: the GIL released once). Published:
-    done. Written but not published (_C_UNPUBLISHED): the temp file is
-    complete, and the publish below decides. Any other result (-errno, the
-    call left nothing behind): the block is stored here from the start, as
-    without C. C gathers runs into its own per-thread buffer, not
-    _bounce(): an I/O thread may hold both, each of the largest group file.
+    threads), so it takes no look before it writes (see _create_temp_file()
+    and _publish_if_absent()), and is first tried in C where it can be
+    (_store_new_block_in_c()).
     """
     file_size = block_size + (checksum.trailer_size if checksum else 0)
     # Write the block atomically: a temp file, renamed into place.
-    tmp_path = dest_path + _get_tmp_suffix()
+    tmp_path = dest_path + get_tmp_suffix()
     created = False
-    if (
-        (checksum is None or checksum.in_c)
-        and not overwrite
-        and _renameat2 is not None
-        and _c_path_in_use()
-    ):
-        rc = fs_io_C.store_new_block(
+    if (checksum is None or checksum.in_c) and not overwrite:
+        rc = _store_new_block_in_c(
             tmp_path,
             dest_path,
             buffer,
             offset,
             block_size,
             runs,
-            direct_io and O_DIRECT != 0,
-            modes.file,
+            direct_io,
+            modes,
             chmod,
-            checksum.xattr if checksum is not None else None,
             key,
+            checksum,
         )
         if rc == _C_PUBLISHED:
             return
         created = rc == _C_UNPUBLISHED  # else the Python path from the start
-    value = None
-    if not created:
-        chunks, value = _block_chunks(buffer, offset, block_size, key, checksum, runs)
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
+    chunks, value = _block_chunks(buffer, offset, block_size, key, checksum, runs)
     try:
-        if created and checksum is not None:
-            # C's temp file: the value a file already there must hold to be kept
-            value = _block_chunks(buffer, offset, block_size, key, checksum, runs)[1]
-        elif not created:
-            try:
-                fd = _open_without_links(tmp_path, flags, modes.file)
-            except FileNotFoundError:  # the block's directory is missing
-                _ensure_dirs(dest_path, on_new_dir, modes)
-                fd = _open_without_links(tmp_path, flags, modes.file)
+        if not created:
+            fd = _create_temp_file(tmp_path, dest_path, direct_io, modes, on_new_dir)
             created = True
             try:
-                if chmod:
-                    os.fchmod(fd, modes.file)  # exact, whatever the umask
-                written = os.writev(fd, chunks)
-                if written < file_size:
-                    raise OSError(
-                        f"Short write: expected {file_size} bytes, wrote {written}"
-                    )
-                if checksum is not None and checksum.xattr is not None:
-                    os.setxattr(fd, checksum.xattr, value)
+                _write_temp_file(fd, chunks, file_size, modes, chmod, checksum, value)
             finally:
                 os.close(fd)
         if overwrite or not _publish_if_absent(tmp_path, dest_path):
             _replace(tmp_path, dest_path, file_size, overwrite, checksum, value)
     except Exception as e:
         if created:
-            try:
-                os.remove(tmp_path)
-            except FileNotFoundError:
-                pass  # published, or removed for the file already there
-            except OSError as cleanup_exc:
-                logger.warning(
-                    "Failed to remove temp file %s: %s", tmp_path, cleanup_exc
-                )
+            _remove_temp_file(tmp_path)
         if (
             isinstance(e, OSError)
             and e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -864,6 +672,91 @@ def store_block(
         ):
             return  # the disk is full, but this block is on it already
         raise
+
+
+def _remove_temp_file(tmp_path: str) -> None:
+    try:
+        os.remove(tmp_path)
+    except FileNotFoundError:
+        pass  # published, or removed for the file already there
+    except OSError as cleanup_exc:
+        logger.warning("Failed to remove temp file %s: %s", tmp_path, cleanup_exc)
+
+
+def _store_new_block_in_c(
+    tmp_path: str,
+    dest_path: str,
+    buffer: memoryview,
+    offset: int,
+    block_size: int,
+    runs: Sequence[tuple[int, int]] | None,
+    direct_io: bool,
+    modes: FileModes,
+    chmod: bool,
+    key: bytes,
+    checksum: BlockChecksum | None,
+) -> int:
+    """Where fs_io_C is in use (_c_path_in_use()), a store without a checksum
+    or with crc32c in an xattr, and not an overwrite, is first tried in one
+    C call (fs_io_C.store_new_block: the GIL released once). Published
+    (_C_PUBLISHED): done. Written but not published (_C_UNPUBLISHED): the
+    temp file is complete, and the publish in store_block() decides. Any
+    other result (-errno, the call left nothing behind; -ENOSYS without
+    fs_io_C): the block is stored in Python from the start. C gathers runs
+    into its own per-thread buffer, not _bounce(): an I/O thread may hold
+    both, each of the largest group file."""
+    if _renameat2 is None or not _c_path_in_use():
+        return -errno.ENOSYS
+    return fs_io_C.store_new_block(
+        tmp_path,
+        dest_path,
+        buffer,
+        offset,
+        block_size,
+        runs,
+        direct_io and O_DIRECT != 0,
+        modes.file,
+        chmod,
+        checksum.xattr if checksum is not None else None,
+        key,
+    )
+
+
+def _create_temp_file(
+    tmp_path: str,
+    dest_path: str,
+    direct_io: bool,
+    modes: FileModes,
+    on_new_dir: Callable[[], None] | None,
+) -> int:
+    """Create a block's temp file; its directory is looked at (and created)
+    only when the temp file cannot be created in it."""
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (O_DIRECT if direct_io else 0)
+    try:
+        return _open_without_links(tmp_path, flags, modes.file)
+    except FileNotFoundError:  # the block's directory is missing
+        _ensure_dirs(dest_path, on_new_dir, modes)
+        return _open_without_links(tmp_path, flags, modes.file)
+
+
+def _write_temp_file(
+    fd: int,
+    chunks: list,
+    file_size: int,
+    modes: FileModes,
+    chmod: bool,
+    checksum: BlockChecksum | None,
+    value: bytes | None,
+) -> None:
+    """Write a block's bytes (and trailer) and set its checksum's xattr."""
+    if chmod:
+        os.fchmod(fd, modes.file)  # exact, whatever the umask
+    written = os.writev(fd, chunks)
+    if written < file_size:
+        raise OSError(f"Short write: expected {file_size} bytes, wrote {written}")
+    if checksum is not None and checksum.xattr is not None:
+        assert value is not None
+        os.setxattr(fd, checksum.xattr, value)
 
 
 def _block_chunks(
@@ -875,7 +768,9 @@ def _block_chunks(
     runs: Sequence[tuple[int, int]] | None,
 ) -> tuple[list[memoryview], bytes | None]:
     """What store_block() writes in Python (the block's bytes, then the
-    checksum's trailer, if any), and its checksum or MAC value, if any."""
+    checksum's trailer, if any), and its checksum or MAC value, if any:
+    also where C wrote the temp file, the value that a file already at the
+    block's path must hold to be kept."""
     # Cast to a flat byte view so the slice uses byte indices; the raw
     # memoryview may be multi-dimensional with itemsize > 1.
     flat = buffer.cast("B")
@@ -923,10 +818,13 @@ def _replace(
     checksum: BlockChecksum | None,
     value: bytes | None,
 ) -> None:
-    """Publish *tmp_path* at *dest_path*, where something may be already:
-    a complete file that holds this block is kept (the temp file removed),
-    anything else replaced; an empty directory in the way is removed, a
-    store that cannot remove it fails."""
+    """Publish *tmp_path* at *dest_path*, where something may be already.
+    An existing block file is kept (the temp file removed) only if it is a
+    regular file of exactly block_size bytes (plus the checksum's trailer,
+    if any) that has the extended attribute its checksum lives in, if any;
+    anything else (a short or long file, an empty directory) is replaced,
+    and a store that cannot replace it (a non-empty directory) fails: a
+    store never reports success for bytes it did not write."""
     if not overwrite and _stored_already(dest_path, file_size, checksum, value):
         os.remove(tmp_path)
         return
@@ -971,27 +869,10 @@ def load_block(
     attribute read from the fd the block was read from). With *runs* (see
     store_block()), the file's bytes go to those runs of the row, once
     checked; the row's other bytes are left as they are.
-
-    Where fs_io_C is in use, a block without a checksum or with crc32c in
-    an xattr is first loaded in one C call (fs_io_C.load_block); any result
-    but 0 (the file is not one block, a link, a checksum that differs or is
-    missing: EBADMSG, an error) loads it again here, which fails it with
-    its reason and removes the file as without C.
+    The block is first loaded in C where it can be (_loaded_in_c()).
     """
-    if (
-        (checksum is None or checksum.in_c)
-        and _c_path_in_use()
-        and fs_io_C.load_block(
-            source_path,
-            view,
-            offset,
-            block_size,
-            runs,
-            direct_io and O_DIRECT != 0,
-            checksum.xattr if checksum is not None else None,
-            key,
-        )
-        == 0
+    if _loaded_in_c(
+        source_path, view, offset, block_size, direct_io, key, checksum, runs
     ):
         return
     # in Python: the common case where fs_io_C is not in use, else a block
@@ -1038,25 +919,66 @@ def load_block(
     except LinkInTreeError:
         raise  # the file is not the tier's: not removed
     except Exception as exc:
-        if st is None:  # not opened: only a link at the block's path goes
-            with contextlib.suppress(OSError):
-                link = os.lstat(source_path)
-                st = link if stat.S_ISLNK(link.st_mode) else None
-            if st is None:
-                raise  # gone, or a transient error: left alone
-        try:
-            _remove_if_same_file(source_path, st)
-        except FileNotFoundError:
-            pass
-        except OSError as cleanup_exc:
-            # Reported with the load's error (rate-limited by the thread
-            # pool), not logged here: the tier answers the key as a miss
-            # from now on, so this happens once per key, not per retry.
-            raise OSError(
-                f"{exc}; {source_path} could not be removed either "
-                f"({cleanup_exc}): a miss until stored again"
-            ) from exc
+        _remove_what_failed_to_load(source_path, st, exc)
         raise
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _loaded_in_c(
+    source_path: str,
+    view: memoryview,
+    offset: int,
+    block_size: int,
+    direct_io: bool,
+    key: bytes,
+    checksum: BlockChecksum | None,
+    runs: Sequence[tuple[int, int]] | None,
+) -> bool:
+    """Where fs_io_C is in use, a block without a checksum or with crc32c in
+    an xattr is first loaded in one C call (fs_io_C.load_block); any result
+    but 0 (the file is not one block, a link, a checksum that differs or is
+    missing: EBADMSG, an error) loads it again in Python, which fails it
+    with its reason and removes the file as without C."""
+    return (
+        (checksum is None or checksum.in_c)
+        and _c_path_in_use()
+        and fs_io_C.load_block(
+            source_path,
+            view,
+            offset,
+            block_size,
+            runs,
+            direct_io and O_DIRECT != 0,
+            checksum.xattr if checksum is not None else None,
+            key,
+        )
+        == 0
+    )
+
+
+def _remove_what_failed_to_load(
+    source_path: str, st: os.stat_result | None, exc: Exception
+) -> None:
+    """After a failed load: remove the file read (*st*) if its path still
+    names it, or a symbolic link at the path; leave what was not opened.
+    Raises an OSError saying so where the file cannot be removed."""
+    if st is None:  # not opened: only a link at the block's path goes
+        with contextlib.suppress(OSError):
+            link = os.lstat(source_path)
+            st = link if stat.S_ISLNK(link.st_mode) else None
+        if st is None:
+            return  # gone, or a transient error: left alone
+    try:
+        _remove_if_same_file(source_path, st)
+    except FileNotFoundError:
+        pass
+    except OSError as cleanup_exc:
+        # Reported with the load's error (rate-limited by the thread pool),
+        # not logged here: the tier answers the key as a miss from now on,
+        # so this happens once per key, not per retry.
+        raise OSError(
+            f"{exc}; {source_path} could not be removed either "
+            f"({cleanup_exc}): a miss until stored again"
+        ) from exc

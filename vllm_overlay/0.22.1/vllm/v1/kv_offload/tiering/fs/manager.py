@@ -99,19 +99,15 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import regex as re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
-from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_idx
 from vllm.v1.kv_offload.cpu.row_extents import group_row_runs
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import (
-    JobId,
     JobMetadata,
     JobResult,
     SecondaryTierManager,
@@ -122,26 +118,34 @@ from vllm.v1.kv_offload.tiering.fs.budget import (
     FsTierBudget,
     validate_max_bytes,
 )
+from vllm.v1.kv_offload.tiering.fs.files import (
+    GROUP_MODES,
+    PRIVATE_MODES,
+    make_dirs,
+    scan_and_report,
+    write_file_atomically,
+)
 from vllm.v1.kv_offload.tiering.fs.io import (
     CHECKSUM_XATTR,
     CHECKSUMS,
-    GROUP_MODES,
     MAC_XATTR,
-    PRIVATE_MODES,
     BlockChecksum,
     BlockMac,
     io_calls_in_use,
     load_block,
-    make_dirs,
     probe_direct_io,
     probe_user_xattrs,
     resolve_checksum,
-    scan_tier_files,
     store_block,
     umask_narrows,
-    write_file_atomically,
 )
-from vllm.v1.kv_offload.tiering.fs.security import check_root_dir, load_key_file
+from vllm.v1.kv_offload.tiering.fs.layouts import LayoutMark, report_other_layouts
+from vllm.v1.kv_offload.tiering.fs.report import Throttle
+from vllm.v1.kv_offload.tiering.fs.security import (
+    TierKey,
+    check_root_dir,
+    load_key_file,
+)
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 
 if TYPE_CHECKING:
@@ -204,84 +208,42 @@ def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> byt
     return bytes.fromhex(file_stem(block_hash))
 
 
-# The most layout names a start-up line gives (then "and N more").
-_LAYOUTS_NAMED = 5
-# A running tier sets its layout directory's mtime (<model>_<layout digest>,
-# its config.json's) to now every so often, and an engine's start changes it
-# too (the O_DIRECT probe): a layout whose mtime is older has no engine
-# running on it, which another engine's start-up line says (_names()).
-LAYOUT_MARK_INTERVAL_S = 3600.0
-# A mark that keeps failing is reported at the first failure and then once
-# every so many intervals, with the count.
-_MARK_FAILURES_REPORTED_EVERY = 24
-# FileMapper's directories: <model>_<layout digest> (its config.json) and
-# <model>_<layout digest>_r<rank> (a rank's blocks).
-_LAYOUT_DIR = re.compile(r"(.+)_[0-9a-f]{12}(_r[0-9]+)?")
+def _start_thread(target: Callable, *args: Any, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
-def other_layouts(root_dir: str, base_path: str) -> tuple[list[str], list[str]]:
-    """Return the `<model>_<layout digest>` names of the layouts with
-    directories in `root_dir` other than `base_path`'s, sorted: this model's,
-    then other models'. One listing, no walk; a listing that fails part way
-    returns what it saw."""
-    own = os.path.basename(base_path)
-    own_model = _LAYOUT_DIR.fullmatch(own)
-    same: set[str] = set()
-    other: set[str] = set()
-    with contextlib.suppress(OSError), os.scandir(root_dir) as entries:
-        for entry in entries:
-            match = _LAYOUT_DIR.fullmatch(entry.name)
-            if match is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            name = entry.name.removesuffix(match.group(2) or "")
-            if name == own:
-                continue
-            model = match.group(1)
-            (same if own_model and model == own_model.group(1) else other).add(name)
-    return sorted(same), sorted(other)
+def _check_settings(tier_type: str, stale_s: object, group_access: object) -> None:
+    """Refuse settings of the wrong type, naming the setting and the fix."""
+    if stale_s is not None and (
+        isinstance(stale_s, bool)
+        or not isinstance(stale_s, (int, float))
+        or stale_s < 0
+    ):
+        raise ValueError(
+            f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
+            f"be a number of seconds >= 0 or null (no cleanup), got {stale_s!r}"
+        )
+    if not isinstance(group_access, bool):
+        raise ValueError(
+            f"group_access of the '{tier_type}' tier must be true or false, "
+            f"got {group_access!r}"
+        )
 
 
-def _age(seconds: float) -> str:
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.0f} h"
-    return f"{seconds / 86400:.0f} days"
+@dataclass
+class _Job:
+    """A job in flight, as the tier keeps it: enqueued with the job's tasks
+    (one a key), it comes back with the finished job (FinishedJob.record),
+    so that the tier keeps no per-job table."""
 
-
-def _names(root_dir: str, layouts: list[str], fields: dict | None = None) -> str:
-    """The layouts, least recently used first (their directory's mtime,
-    see LAYOUT_MARK_INTERVAL_S), each with how long ago and, given this
-    layout's `fields`, what differs in theirs (kv_values.layout_change)."""
-    mtimes = {}
-    for name in layouts:
-        with contextlib.suppress(OSError):
-            path = os.path.join(root_dir, name)
-            mtimes[name] = os.stat(path, follow_symlinks=False).st_mtime
-    now = time.time()
-    aged = sorted(layouts, key=lambda n: (n in mtimes, mtimes.get(n, 0.0), n))
-    described = []
-    for name in aged[:_LAYOUTS_NAMED]:
-        notes = []
-        if name in mtimes:
-            notes.append(f"last used {_age(max(0.0, now - mtimes[name]))} ago")
-        if fields is not None:
-            notes.append(kv_values.layout_change(fields, _read_fields(root_dir, name)))
-        described.append(f"{name!r} ({'; '.join(notes)})" if notes else repr(name))
-    named = ", ".join(described)
-    if len(layouts) > _LAYOUTS_NAMED:
-        named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
-    return named
-
-
-def _read_fields(root_dir: str, name: str) -> dict | None:
-    """Another layout's recorded fields (its config.json), or None."""
-    try:
-        with open(os.path.join(root_dir, name, "config.json"), "rb") as f:
-            fields = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return fields if isinstance(fields, dict) else None
+    keys: list[OffloadKey]
+    is_load: bool
+    # what the job holds of the budget (FsTierBudget.finish_job())
+    admission: Admission | None = None
+    # a store's keys in _unloadable: loadable again once stored
+    rewrites: list[OffloadKey] = field(default_factory=list)
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -295,6 +257,41 @@ class FileSystemTierManager(SecondaryTierManager):
     submit_store / submit_load are non-blocking: they enqueue tasks and return.
     get_finished() polls job completion and returns completed JobResults.
 
+    Args:
+        offloading_spec: contains the vllm_config, kv_cache_config
+            and block_size_factor.
+        primary_kv_view: Memoryview of the primary tier's CPU KV cache.
+        tier_type: Tier type identifier, set by SecondaryTierFactory.
+        root_dir: Root directory for block files.
+        n_read_threads: Number of read-priority I/O threads.
+        n_write_threads: Number of write-priority I/O threads.
+        cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
+            temp files not modified for this long (left by writers
+            killed between writing a block and renaming it); None: never.
+        checksum: "auto" (the default: crc32c where the fs_io_C
+            extension is built, else xxh3_64 where the xxhash package
+            imports, else crc32), "crc32c" (Castagnoli, in C), "xxh3_64",
+            "crc32" (zlib) or "none": store a checksum of each block's
+            key and bytes with the block (in an extended attribute of
+            its file, else a trailer) and check it on every load; a
+            mismatch (a file overwritten by another writer, another key's
+            block, a flipped bit) makes the key a miss. Part of the file
+            layout: each algorithm has its own directory. "auto" checks
+            nothing where the root has no user xattrs (a warning at
+            start says so).
+        group_access: create files 0640 and directories 2770 (the
+            group's engines read blocks and store into each other's
+            directories) instead of 0600 and 0700.
+        key_file: path of a private file holding a secret of at least
+            32 bytes (never the secret itself): a keyed namespace for a
+            shared root. File names become a keyed hash of the block
+            hash, and each block file carries an HMAC-SHA256 of the
+            block's identity and bytes, checked on load (a mismatch is
+            a miss). Engines sharing a root share the key file; another
+            key is another namespace. Replaces 'checksum'.
+        max_bytes: the most bytes this tier's files may take on disk
+            (at least one chunk of every KV cache group); None: no limit.
+            Engines sharing root_dir share it: set the same on each.
     """
 
     persistent = True
@@ -313,58 +310,7 @@ class FileSystemTierManager(SecondaryTierManager):
         key_file: str | None = None,
         max_bytes: int | None = None,
     ):
-        """
-        Args:
-            offloading_spec: contains the vllm_config, kv_cache_config
-                and block_size_factor.
-            primary_kv_view: Memoryview of the primary tier's CPU KV cache.
-            tier_type: Tier type identifier, set by SecondaryTierFactory.
-            root_dir: Root directory for block files.
-            n_read_threads: Number of read-priority I/O threads.
-            n_write_threads: Number of write-priority I/O threads.
-            cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
-                temp files not modified for this long (left by writers
-                killed between writing a block and renaming it); None: never.
-            checksum: "auto" (the default: crc32c where the fs_io_C
-                extension is built, else xxh3_64 where the xxhash package
-                imports, else crc32), "crc32c" (Castagnoli, in C), "xxh3_64",
-                "crc32" (zlib) or "none": store a checksum of each block's
-                key and bytes with the block (in an extended attribute of
-                its file, else a trailer) and check it on every load; a
-                mismatch (a file overwritten by another writer, another key's
-                block, a flipped bit) makes the key a miss. Part of the file
-                layout: each algorithm has its own directory. "auto" checks
-                nothing where the root has no user xattrs (a warning at
-                start says so).
-            group_access: create files 0640 and directories 2770 (the
-                group's engines read blocks and store into each other's
-                directories) instead of 0600 and 0700.
-            key_file: path of a private file holding a secret of at least
-                32 bytes (never the secret itself): a keyed namespace for a
-                shared root. File names become a keyed hash of the block
-                hash, and each block file carries an HMAC-SHA256 of the
-                block's identity and bytes, checked on load (a mismatch is
-                a miss). Engines sharing a root share the key file; another
-                key is another namespace. Replaces 'checksum'.
-            max_bytes: the most bytes this tier's files may take on disk
-                (at least one chunk of every KV cache group); None: no limit.
-                Engines sharing root_dir share it: set the same on each.
-        """
-        stale_s = cleanup_stale_tmp_after_seconds
-        if stale_s is not None and (
-            isinstance(stale_s, bool)
-            or not isinstance(stale_s, (int, float))
-            or stale_s < 0
-        ):
-            raise ValueError(
-                f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
-                f"be a number of seconds >= 0 or null (no cleanup), got {stale_s!r}"
-            )
-        if not isinstance(group_access, bool):
-            raise ValueError(
-                f"group_access of the '{tier_type}' tier must be true or false, "
-                f"got {group_access!r}"
-            )
+        _check_settings(tier_type, cleanup_stale_tmp_after_seconds, group_access)
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
         # block files need an fchmod only where the umask at start-up narrows
         # their mode (a later umask can only make new files more private)
@@ -377,20 +323,116 @@ class FileSystemTierManager(SecondaryTierManager):
             if key_file is not None
             else None
         )
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+
+        assert primary_kv_view.strides is not None, "a view of rows"
+        self._block_size: int = primary_kv_view.strides[0]  # a row of the view
+
+        self._checksum, file_format, in_xattr = self._resolve_checksum(
+            checksum, tier_key, root_dir
+        )
+
+        self._map_files(offloading_spec, root_dir, tier_key, file_format, in_xattr)
+
+        # bytes of each group's block files; a chunk has one per group
+        trailer = self._checksum.trailer_size if self._checksum else 0
+        self._file_sizes = [f.size + trailer for f in self._group_files]
+        self._max_bytes = validate_max_bytes(
+            max_bytes, sum(self._file_sizes), tier_type
+        )
+
+        self._root_dir = root_dir
+        self._config_lock = threading.Lock()
+        self._config_failures = 0  # since the last warning (under _config_lock)
+        self._config_throttle = Throttle()
+        self._write_config()
+
+        self._probe_root(root_dir)
+
+        # Keys whose load failed and whose file could not be removed (a
+        # directory, a file on a read-only or immutable mount): answered as
+        # misses, so that the scheduler does not promote them again and
+        # again, until a store of the key (which replaces the file) succeeds.
+        self._unloadable: set[OffloadKey] = set()
+
+        self._pool = DualQueueThreadPool(
+            n_read_threads,
+            n_write_threads,
+            thread_name_prefix="vllm_kv_py_fs",
+            label=f"{tier_type} tier at {root_dir}",
+        )
+
+        self._start_tmp_cleanup(root_dir, cleanup_stale_tmp_after_seconds)
+
+        self._budget: FsTierBudget | None = None
+        if self._max_bytes is not None:
+            self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
+        label = f"fs_python tier at {root_dir}"
+        budgeted = self._max_bytes is not None
+        fields = self.file_mapper.fields
+        report_other_layouts(
+            label, root_dir, self.file_mapper.base_path, fields, budgeted
+        )
+        self._marker = LayoutMark(
+            os.path.dirname(self.file_mapper.get_config_file_path()), label
+        )
+
+    def _map_files(
+        self,
+        offloading_spec: "OffloadingSpec",
+        root_dir: str,
+        tier_key: TierKey | None,
+        file_format: dict | None,
+        in_xattr: bool,
+    ) -> None:
+        """Where the tier's files are and what each holds of a row: the
+        FileMapper of the layout (with key_file: keyed names and a MAC)."""
+        # what each group's files hold of a row (whole rows where unknown)
+        files = group_files(offloading_spec, self._block_size)
+        num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
+        self._whole_row = GroupFile(0, self._block_size)
+        self._group_files: list[GroupFile] = files or [self._whole_row] * max(
+            1, num_groups
+        )
+        if tier_key is not None:
+            # keyed files live apart from unkeyed ones; the key is not named
+            file_format = {
+                **BlockMac.describe_format(
+                    self._block_size, MAC_XATTR if in_xattr else None
+                ),
+                "file_names": "keyed-blake2b-128",
+            }
+
+        # Create file mapper
+        self.file_mapper = FileMapper.from_offloading_spec(
+            # resolved, so that I/O can tell a symlink in the tree
+            root_dir=root_dir,
+            offloading_spec=offloading_spec,
+            gpu_blocks_per_file=offloading_spec.block_size_factor,
+            checksum=file_format,
+            file_stem=tier_key.file_stem if tier_key is not None else None,
+            group_file_bytes=[f.size for f in files] if files else None,
+        )
+        if tier_key is not None:
+            self._checksum = BlockMac(
+                tier_key.mac_key,
+                self._block_size,
+                self.file_mapper.layout_id(),
+                MAC_XATTR if in_xattr else None,
+            )
+
+    def _resolve_checksum(
+        self, checksum: str, tier_key: TierKey | None, root_dir: str
+    ) -> tuple["BlockChecksum | None", dict | None, bool]:
+        """The block checksum of the 'checksum' setting (None: none; a
+        key_file's MAC replaces it), its file format, and whether it is kept
+        in an extended attribute (else a trailer)."""
         if tier_key is not None and checksum not in ("auto", "none"):
             raise ValueError(
-                f"the '{tier_type}' tier's key_file replaces its checksum (a "
+                f"the '{self.tier_type}' tier's key_file replaces its checksum (a "
                 "keyed MAC checks every block): remove 'checksum' or set it "
                 "to 'auto' or 'none'"
             )
-        super().__init__(offloading_spec, primary_kv_view, tier_type)
-
-        # Extract block size from primary view
-        assert primary_kv_view.strides is not None, (
-            "primary_kv_view.strides cannot be None"
-        )
-        self._block_size: int = primary_kv_view.strides[0]
-
         if checksum not in CHECKSUMS:
             raise ValueError(
                 f"Unknown checksum {checksum!r} in the fs_python tier's config: "
@@ -432,59 +474,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 CHECKSUM_XATTR if in_xattr else None,
             )
         file_format = self._checksum.describe() if self._checksum else None
+        return self._checksum, file_format, in_xattr
 
-        # what each group's files hold of a row (whole rows where unknown)
-        files = group_files(offloading_spec, self._block_size)
-        num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
-        self._whole_row = GroupFile(0, self._block_size)
-        self._group_files: list[GroupFile] = files or [self._whole_row] * max(
-            1, num_groups
-        )
-        if tier_key is not None:
-            # keyed files live apart from unkeyed ones; the key is not named
-            file_format = {
-                **BlockMac.describe_format(
-                    self._block_size, MAC_XATTR if in_xattr else None
-                ),
-                "file_names": "keyed-blake2b-128",
-            }
-
-        # Create file mapper
-        self.file_mapper = FileMapper.from_offloading_spec(
-            # resolved, so that I/O can tell a symlink in the tree
-            root_dir=root_dir,
-            offloading_spec=offloading_spec,
-            gpu_blocks_per_file=offloading_spec.block_size_factor,
-            checksum=file_format,
-            file_stem=tier_key.file_stem if tier_key is not None else None,
-            group_file_bytes=[f.size for f in files] if files else None,
-        )
-        if tier_key is not None:
-            self._checksum = BlockMac(
-                tier_key.mac_key,
-                self._block_size,
-                self.file_mapper.layout_id(),
-                MAC_XATTR if in_xattr else None,
-            )
-
-        # bytes of each group's block files; a chunk has one per group
-        trailer = self._checksum.trailer_size if self._checksum else 0
-        self._file_sizes = [f.size + trailer for f in self._group_files]
-        self._max_bytes = validate_max_bytes(
-            max_bytes, sum(self._file_sizes), tier_type
-        )
-
-        # Write config file
-        self._root_dir = root_dir
-        self._config_lock = threading.Lock()
-        config_path = self.file_mapper.get_config_file_path()
-        self._write_config()
-
+    def _probe_root(self, root_dir: str) -> None:
+        """Probe the layout directory for O_DIRECT (see probe_direct_io())."""
         # O_DIRECT bypasses the page cache, but only works for aligned rows
         # on filesystems that support it; otherwise use buffered I/O.
-        self._probe_dir = os.path.dirname(config_path)
+        self._probe_dir = os.path.dirname(self.file_mapper.get_config_file_path())
         reason, transient = probe_direct_io(
-            self._probe_dir, primary_kv_view, self._block_size, self._modes
+            self._probe_dir, self._primary_kv_view, self._block_size, self._modes
         )
         self._direct_io: bool = reason is None
         # when to probe again after a transient failure (None: never)
@@ -509,131 +507,78 @@ class FileSystemTierManager(SecondaryTierManager):
                 reason,
             )
 
-        # keys of the in-flight jobs, to report which ones failed
-        self._job_keys: dict[JobId, list[OffloadKey]] = {}
-        # Keys whose load failed and whose file could not be removed (a
-        # directory, a file on a read-only or immutable mount): answered as
-        # misses, so that the scheduler does not promote them again and
-        # again, until a store of the key (which replaces the file) succeeds.
-        self._unloadable: set[OffloadKey] = set()
-        # store jobs: the keys they store over such a file
-        self._rewrites: dict[JobId, list[OffloadKey]] = {}
-        self._load_jobs: set[JobId] = set()
-        # what each job holds of the budget (see FsTierBudget.finish_job())
-        self._budget_tickets: dict[JobId, Admission] = {}
-
-        self._pool = DualQueueThreadPool(
-            n_read_threads,
-            n_write_threads,
-            thread_name_prefix="vllm_kv_py_fs",
-            label=f"{tier_type} tier at {root_dir}",
-        )
-
-        # Walk the tier's files in the background (the walk can be long):
-        # remove the temp files of writers that died between writing a block
-        # and renaming it into place, and count files with wider modes than
-        # the tier's. This rank's block directory, and the config's (the
-        # O_DIRECT probe's and config.json's).
+    def _start_tmp_cleanup(self, root_dir: str, max_age_s: float | None) -> None:
+        """Walk the tier's files in the background (the walk can be long):
+        remove the temp files of writers that died between writing a block
+        and renaming it into place, and count files with wider modes than
+        the tier's. This rank's block directory, and the config's (the
+        O_DIRECT probe's and config.json's)."""
         self._stop_tmp_cleanup = threading.Event()
         block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
-        self._tmp_cleanup = threading.Thread(
-            target=self._scan_tier_files,
-            args=(
-                (os.path.dirname(config_path), block_dir),
-                cleanup_stale_tmp_after_seconds,
-                root_dir,
-            ),
+        self._tmp_cleanup = _start_thread(
+            scan_and_report,
+            f"fs_python tier at {root_dir}",
+            (os.path.dirname(self.file_mapper.get_config_file_path()), block_dir),
+            max_age_s,
+            self._modes,
+            root_dir,
+            self._stop_tmp_cleanup,
             name="vllm_kv_py_fs_tmp_cleanup",
-            daemon=True,
         )
-        self._tmp_cleanup.start()
 
-        self._budget: FsTierBudget | None = None
-        if self._max_bytes is not None:
-            chunk_id: Callable[[bytes], bytes] | None = None
-            if tier_key is not None:
-                # keyed files: the budget indexes chunks by their file names
-                chunk_id = functools.partial(_keyed_chunk_id, tier_key.file_stem)
-            self._budget = FsTierBudget(
-                self._max_bytes,
-                self._file_sizes,
-                f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
-                self.file_mapper.get_file_name,
-                lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
-                f"{tier_type} tier at {root_dir}",
-                chunk_tokens=dict(enumerate(offloading_spec.offloaded_block_size)),
-                prefix_groups=[
-                    i
-                    for i, group in enumerate(
-                        offloading_spec.kv_cache_config.kv_cache_groups
-                    )
-                    # what the connector looks up as a prefix (full attention)
-                    if not isinstance(
-                        group.kv_cache_spec, (SlidingWindowSpec, MambaSpec)
-                    )
-                ]
-                or None,
-                chunk_id=chunk_id,
-                on_removal_errors=self._pool.record_removal_errors,
-            )
-            logger.info(
-                "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
-                "per group, of %s bytes); indexing the files of earlier runs "
-                "in the background",
-                root_dir,
-                self._max_bytes,
-                self._max_bytes // sum(self._file_sizes),
-                self._file_sizes,
-            )
-            with contextlib.suppress(OSError):
-                st = os.statvfs(root_dir)
-                free = st.f_bavail * st.f_frsize
-                if self._max_bytes > free:
-                    logger.warning(
-                        "fs_python tier at %s: max_bytes=%d is more than the "
-                        "free space of its filesystem (%d bytes): stores will "
-                        "fail once the disk is full",
-                        root_dir,
-                        self._max_bytes,
-                        free,
-                    )
-        same, other = other_layouts(root_dir, self.file_mapper.base_path)
-        # Never read, removed or counted in max_bytes here: an upgrade's old
-        # layout stays until someone removes it. Other models' are likely live.
-        counted = "" if self._max_bytes is None else ", nor counts them in max_bytes"
-        if same:
-            (logger.info if self._max_bytes is None else logger.warning)(
-                "fs_python tier at %s: directories of %d other layout(s) of "
-                "this model are in the root (other weights', model config's, "
-                "vLLM version's, tier setting's or parallelism's): %s (<name> "
-                "and <name>_r<rank>; "
-                "its config.json records the settings). This tier never reads "
-                "or removes them%s: if no engine uses one, remove it (running "
-                "engines of this version mark theirs every %.0f min).",
-                root_dir,
-                len(same),
-                _names(root_dir, same, self.file_mapper.fields),
-                counted,
-                LAYOUT_MARK_INTERVAL_S / 60,
-            )
-        if other:
-            logger.info(
-                "fs_python tier at %s: directories of %d other model(s)' "
-                "layouts are in the root: %s. This tier never reads or removes "
-                "them%s.",
-                root_dir,
-                len(other),
-                _names(root_dir, other),
-                counted,
-            )
-        # Mark this layout in use while the tier runs (a thread of its own).
-        self._stop_marking = threading.Event()
-        self._marker = threading.Thread(
-            target=self._mark_layout_in_use,
-            name="vllm_kv_py_fs_layout_mark",
-            daemon=True,
+    def _start_budget(
+        self,
+        offloading_spec: "OffloadingSpec",
+        root_dir: str,
+        tier_key: TierKey | None,
+    ) -> FsTierBudget:
+        assert self._max_bytes is not None
+        chunk_id: Callable[[bytes], bytes] | None = None
+        if tier_key is not None:
+            # keyed files: the budget indexes chunks by their file names
+            chunk_id = functools.partial(_keyed_chunk_id, tier_key.file_stem)
+        budget = FsTierBudget(
+            self._max_bytes,
+            self._file_sizes,
+            f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
+            self.file_mapper.get_file_name,
+            lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
+            f"{self.tier_type} tier at {root_dir}",
+            chunk_tokens=dict(enumerate(offloading_spec.offloaded_block_size)),
+            prefix_groups=[
+                i
+                for i, group in enumerate(
+                    offloading_spec.kv_cache_config.kv_cache_groups
+                )
+                # what the connector looks up as a prefix (full attention)
+                if not isinstance(group.kv_cache_spec, (SlidingWindowSpec, MambaSpec))
+            ]
+            or None,
+            chunk_id=chunk_id,
+            on_removal_errors=self._pool.record_removal_errors,
         )
-        self._marker.start()
+        logger.info(
+            "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
+            "per group, of %s bytes); indexing the files of earlier runs "
+            "in the background",
+            root_dir,
+            self._max_bytes,
+            self._max_bytes // sum(self._file_sizes),
+            self._file_sizes,
+        )
+        with contextlib.suppress(OSError):
+            st = os.statvfs(root_dir)
+            free = st.f_bavail * st.f_frsize
+            if self._max_bytes > free:
+                logger.warning(
+                    "fs_python tier at %s: max_bytes=%d is more than the "
+                    "free space of its filesystem (%d bytes): stores will "
+                    "fail once the disk is full",
+                    root_dir,
+                    self._max_bytes,
+                    free,
+                )
+        return budget
 
     def _write_config(self) -> bool:
         """Write config.json (the layout of this directory's files) unless it
@@ -646,40 +591,6 @@ class FileSystemTierManager(SecondaryTierManager):
         config = json.dumps(self.file_mapper.get_run_config(), indent=2, sort_keys=True)
         write_file_atomically(config_path, config.encode(), self._modes)
         return True
-
-    def _mark_layout_in_use(self) -> None:
-        """Set the layout directory's mtime to now, at start and every
-        LAYOUT_MARK_INTERVAL_S until shutdown: what tells another engine
-        sharing the root that this layout is in use (the directory, not
-        config.json: on a group_access root the group may write it). A
-        failing mark is reported at once, then with its count every
-        _MARK_FAILURES_REPORTED_EVERY intervals: the layout looks unused."""
-        layout_dir = os.path.dirname(self.file_mapper.get_config_file_path())
-        failures = 0
-        while True:
-            try:
-                os.utime(layout_dir, follow_symlinks=False)
-                if failures:
-                    logger.info(
-                        "fs_python tier at %s: marks its layout in use again "
-                        "after %d failure(s)",
-                        self._root_dir,
-                        failures,
-                    )
-                failures = 0
-            except OSError as e:
-                if failures % _MARK_FAILURES_REPORTED_EVERY == 0:
-                    logger.warning(
-                        "fs_python tier at %s: could not mark its layout in "
-                        "use (%d time(s) in a row; %s): other engines sharing "
-                        "the root see it as unused",
-                        self._root_dir,
-                        failures + 1,
-                        e,
-                    )
-                failures += 1
-            if self._stop_marking.wait(LAYOUT_MARK_INTERVAL_S):
-                return
 
     def _on_new_dir(self) -> None:
         """A store created a block directory (an I/O thread): if the tier's
@@ -697,52 +608,19 @@ class FileSystemTierManager(SecondaryTierManager):
                     self.file_mapper.get_config_file_path(),
                 )
         except OSError as e:
+            with self._config_lock:
+                self._config_failures += 1
+                if not self._config_throttle.due():
+                    return
+                failures, self._config_failures = self._config_failures, 0
             logger.warning(
-                "fs_python tier at %s: could not re-create %s: %s",
+                "fs_python tier at %s: could not re-create %s (%d failed "
+                "attempt(s) since the last warning; its blocks are stored "
+                "without it): %s",
                 self._root_dir,
                 self.file_mapper.get_config_file_path(),
+                failures,
                 e,
-            )
-
-    def _scan_tier_files(
-        self, directories: tuple[str, ...], max_age_s: float | None, root_dir: str
-    ) -> None:
-        try:
-            scan = scan_tier_files(
-                directories, max_age_s, self._modes, self._stop_tmp_cleanup
-            )
-        except Exception as e:
-            logger.warning(
-                "fs_python tier at %s: could not scan the tier's files: %s",
-                root_dir,
-                e,
-            )
-            return
-        if scan.removed:
-            logger.info(
-                "fs_python tier at %s: removed %d stale temporary file(s) "
-                "(%d bytes, not modified for %.0f s)",
-                root_dir,
-                scan.removed,
-                scan.removed_bytes,
-                max_age_s,
-            )
-        if scan.too_open_example is not None:
-            path, mode = scan.too_open_example
-            logger.warning(
-                "fs_python tier at %s: %d file(s) and directories of the tier "
-                "have wider modes than %o (files) / %o (directories), e.g. %s "
-                "(mode %o): users other than the tier's %s read or change "
-                "cached KV blocks there. Restrict them, e.g. chmod -R %s %s",
-                root_dir,
-                scan.too_open,
-                self._modes.file,
-                self._modes.dir,
-                path,
-                mode,
-                "and its group may" if self._modes is GROUP_MODES else "may",
-                "o-rwx" if self._modes is GROUP_MODES else "go-rwx",
-                root_dir,
             )
 
     def lookup(
@@ -845,6 +723,9 @@ class FileSystemTierManager(SecondaryTierManager):
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         unloadable = self._unloadable
+        record = _Job(list(job_metadata.keys), is_load=False)
+        if unloadable:
+            record.rewrites = [k for k in record.keys if k in unloadable]
         tasks: Iterable[Callable[[], None]]
         if self._budget is not None:
             # the job's admission (reserving its bytes, evicting first,
@@ -853,7 +734,7 @@ class FileSystemTierManager(SecondaryTierManager):
             job = self._budget.admit_store(
                 job_metadata.keys, ctx.req_id, ctx.offload_key_positions()
             )
-            self._budget_tickets[job_metadata.job_id] = job
+            record.admission = job
             store = self._store_admitted
             tasks = (
                 functools.partial(
@@ -892,12 +773,9 @@ class FileSystemTierManager(SecondaryTierManager):
             tasks = (
                 self._with_reprobe(t) if i == 0 else t for i, t in enumerate(tasks)
             )
-        self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
-        if unloadable:
-            rewrites = [k for k in job_metadata.keys if k in unloadable]
-            if rewrites:
-                self._rewrites[job_metadata.job_id] = rewrites
-        self._pool.enqueue_store(job_metadata.job_id, len(job_metadata.keys), tasks)
+        self._pool.enqueue_store(
+            job_metadata.job_id, len(record.keys), list(tasks), record
+        )
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
         tasks = (
@@ -915,13 +793,12 @@ class FileSystemTierManager(SecondaryTierManager):
             for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
             for gf in (self._group_file(key),)
         )
-        self._job_keys[job_metadata.job_id] = list(job_metadata.keys)
-        self._load_jobs.add(job_metadata.job_id)
+        record = _Job(list(job_metadata.keys), is_load=True)
         if self._budget is not None:
-            self._budget_tickets[job_metadata.job_id] = self._budget.pin_load(
-                job_metadata.keys
-            )
-        self._pool.enqueue_load(job_metadata.job_id, len(job_metadata.keys), tasks)
+            record.admission = self._budget.pin_load(job_metadata.keys)
+        self._pool.enqueue_load(
+            job_metadata.job_id, len(record.keys), list(tasks), record
+        )
 
     def get_finished(self) -> Iterable[JobResult]:
         """
@@ -934,34 +811,33 @@ class FileSystemTierManager(SecondaryTierManager):
             # evicted chunks: lookup() stats their files (no cached verdict
             # to turn into a miss), so they only leave the removing set
             budget.take_evicted_keys()
-        for job_id, failed in self._pool.get_finished():
-            keys = self._job_keys.pop(job_id)
+        for finished in self._pool.get_finished():
+            job: _Job = finished.record
+            keys, failed = job.keys, finished.failed
             if budget is not None:
-                budget.finish_job(
-                    self._budget_tickets.pop(job_id), [keys[i] for i in failed]
-                )
-            is_load = job_id in self._load_jobs
-            self._load_jobs.discard(job_id)
-            rewrites = self._rewrites.pop(job_id, None)
-            if rewrites:
+                assert job.admission is not None
+                budget.finish_job(job.admission, [keys[i] for i in failed])
+            if job.rewrites:
                 # a store that replaced an unloadable file: loadable again
                 failed_keys = {keys[i] for i in failed}
                 self._unloadable.difference_update(
-                    k for k in rewrites if k not in failed_keys
+                    k for k in job.rewrites if k not in failed_keys
                 )
             if not failed:
-                results.append(JobResult(job_id=job_id, success=True))
+                results.append(JobResult(job_id=finished.job_id, success=True))
                 continue
             failed_idx = set(failed)
             successful = [k for i, k in enumerate(keys) if i not in failed_idx]
-            if is_load:
+            if job.is_load:
                 # A failed load removes the file; one still there cannot be
                 # loaded or removed, and would be promoted forever.
                 for i in failed_idx:
                     if os.path.lexists(self.file_mapper.get_file_name(keys[i])):
                         self._unloadable.add(keys[i])
             results.append(
-                JobResult(job_id=job_id, success=False, successful_keys=successful)
+                JobResult(
+                    job_id=finished.job_id, success=False, successful_keys=successful
+                )
             )
         return results
 
@@ -973,9 +849,8 @@ class FileSystemTierManager(SecondaryTierManager):
         active threads to complete.
         """
         self._stop_tmp_cleanup.set()
-        self._stop_marking.set()
         self._tmp_cleanup.join()
-        self._marker.join()
+        self._marker.stop()
         self._pool.shutdown(wait=True)
         if self._budget is not None:
             self._budget.shutdown()

@@ -7,15 +7,9 @@ import hmac
 import logging
 import mmap
 import os
-import random
 import stat
-import threading
-import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple
-
-import regex as re
 
 try:
     from vllm.fs_io_C import (  # pyright: ignore[reportMissingImports]
@@ -29,6 +23,13 @@ try:
 except ImportError:
     _HAS_FSIO_C = False
 
+from vllm.v1.kv_offload.tiering.fs.files import (
+    PRIVATE_MODES,
+    FileModes,
+    get_tmp_suffix,
+    make_dirs,
+)
+
 logger = logging.getLogger(__name__)
 
 # O_DIRECT is Linux-specific and not available on macOS
@@ -38,67 +39,10 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # key's KV.
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
-# Thread-local storage for unique temporary file suffixes
-_thread_local = threading.local()
-
-# The tier's temp files, see _get_tmp_suffix(): a block's
-# (<hash_hex>.bin_<n>.tmp), the O_DIRECT and xattr probes'
-# (.o_direct_probe_<n>.tmp, .xattr_probe_<n>.tmp) and config.json's.
-_TMP_NAME_RE = re.compile(
-    r"(?:\.bin|\.o_direct_probe|\.xattr_probe|^config\.json)_[0-9]+\.tmp$"
-)
-
 
 def has_compiled_io() -> bool:
     """Whether blocks are read and written by the fs_io_C extension."""
     return _HAS_FSIO_C
-
-
-def _get_tmp_suffix() -> str:
-    """Generate a thread-local unique suffix for temporary files."""
-    try:
-        return _thread_local.tmp_suffix
-    except AttributeError:
-        _thread_local.tmp_suffix = f"_{random.randint(0, 2**63 - 1)}.tmp"
-        return _thread_local.tmp_suffix
-
-
-@dataclass(frozen=True)
-class FileModes:
-    """The modes of what the tier creates: KV blocks are users' data, so only
-    the tier's own user (and, with group access, its group) may read them or
-    write into the tree. Set exactly (fchmod/chmod after creating), whatever
-    the process umask."""
-
-    file: int
-    dir: int
-
-
-PRIVATE_MODES = FileModes(file=0o600, dir=0o700)
-# For a root shared between service accounts of one group: the group reads
-# blocks and stores into directories another account created (group write;
-# setgid, so that what is created below keeps the group).
-GROUP_MODES = FileModes(file=0o640, dir=0o2770)
-
-
-def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> None:
-    """Create *path* and its missing parents with modes.dir (os.makedirs gives
-    them 0o777 & ~umask)."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, modes.dir)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
-            continue  # created by another thread or engine meanwhile
-        os.chmod(directory, modes.dir)
 
 
 # The extended attribute that holds a block file's MAC (keyed namespace). It
@@ -252,7 +196,7 @@ def probe_xattr(directory: str) -> None:
     """Raise OSError unless a file in *directory* can hold a user extended
     attribute, MAC_XATTR or CRC_XATTR (some filesystems have none: older
     tmpfs, some NFS)."""
-    path = os.path.join(directory, f".xattr_probe{_get_tmp_suffix()}")
+    path = os.path.join(directory, f".xattr_probe{get_tmp_suffix()}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | O_NOFOLLOW, 0o600)
     try:
         os.setxattr(fd, MAC_XATTR, bytes(32))
@@ -260,98 +204,6 @@ def probe_xattr(directory: str) -> None:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.remove(path)
-
-
-def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
-    """Write *data* to *path* through a temp file renamed into place, with
-    modes.file: a reader (another engine sharing the root) never sees part
-    of it, and a write cut short (a full disk, a crash) leaves no *path*."""
-    tmp_path = path + _get_tmp_suffix()
-    try:
-        fd = os.open(
-            tmp_path,
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0),
-            modes.file,
-        )
-        try:
-            os.fchmod(fd, modes.file)
-            view = memoryview(data)
-            while view:  # a write may be short (a file size limit, NFS)
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp_path, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp_path)
-
-
-@dataclass
-class TierScan:
-    """What scan_tier_files() found."""
-
-    # stale temp files removed, and their bytes
-    removed: int = 0
-    removed_bytes: int = 0
-    # files and directories with mode bits beyond the tier's modes
-    too_open: int = 0
-    too_open_example: tuple[str, int] | None = None  # (path, mode)
-
-
-def scan_tier_files(
-    directories: Iterable[str],
-    max_tmp_age_s: float | None,
-    modes: FileModes,
-    stop: threading.Event,
-) -> TierScan:
-    """Walk the tier's *directories* once at start-up:
-
-    - remove this module's temp files last modified more than *max_tmp_age_s*
-      seconds ago (None: none): left by writers killed between writing a block
-      and renaming it into place (a live writer renames within milliseconds).
-      Several engines may share a directory, so age is the only evidence a
-      writer is gone. Other files are kept;
-    - count the files and directories with mode bits beyond *modes* (written
-      before the tier created them private, or by hand), so that the tier
-      reports them instead of silently serving from them.
-
-    Stops early when *stop* is set.
-    """
-    oldest_kept = time.time() - (max_tmp_age_s or 0.0)
-    scan = TierScan()
-
-    def check_mode(path: str, mode: int, allowed: int) -> None:
-        if stat.S_IMODE(mode) & ~allowed:
-            scan.too_open += 1
-            if scan.too_open_example is None:
-                scan.too_open_example = (path, stat.S_IMODE(mode))
-
-    for directory in directories:
-        for dirpath, _, filenames in os.walk(directory):
-            if stop.is_set():
-                return scan
-            with contextlib.suppress(OSError):
-                check_mode(dirpath, os.lstat(dirpath).st_mode, modes.dir)
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(path)
-                except OSError:
-                    continue
-                if (
-                    max_tmp_age_s is not None
-                    and _TMP_NAME_RE.search(name) is not None
-                    and stat.S_ISREG(st.st_mode)
-                    and st.st_mtime <= oldest_kept
-                ):
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
-                        scan.removed += 1
-                        scan.removed_bytes += st.st_size
-                    continue
-                if not stat.S_ISLNK(st.st_mode):
-                    check_mode(path, st.st_mode, modes.file)
-    return scan
 
 
 # Errors of the O_DIRECT probe that say nothing about O_DIRECT support (a
@@ -374,7 +226,7 @@ def probe_o_direct(directory: str) -> bool:
     """
     if not O_DIRECT:
         return False
-    path = os.path.join(directory, f".o_direct_probe{_get_tmp_suffix()}")
+    path = os.path.join(directory, f".o_direct_probe{get_tmp_suffix()}")
     page = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         # exclusive and never through a link: the root may be group-writable
@@ -479,7 +331,7 @@ def _store_block(
     if is_stored():
         return
 
-    tmp_path = dest_path + _get_tmp_suffix()
+    tmp_path = dest_path + get_tmp_suffix()
     # Ensure parent directories exist
     _ensure_dirs(dest_path, modes)
     # A directory in the way cannot be replaced by a file: remove it if empty,
@@ -616,7 +468,7 @@ def batch_store_block(
 
     if _HAS_FSIO_C:
         view_slices = [view_B[x : x + block_size] for x in offsets]
-        tmp_paths = [p + _get_tmp_suffix() for p in paths]
+        tmp_paths = [p + get_tmp_suffix() for p in paths]
         if macs is None and not checksum:
             return batch_store_block_C(
                 tmp_paths, paths, view_slices, use_o_direct, modes.file, modes.dir

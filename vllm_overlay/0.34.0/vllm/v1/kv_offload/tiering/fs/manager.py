@@ -76,6 +76,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 try:
@@ -85,14 +86,12 @@ try:
 except ImportError:
     _HAS_BATCH_LOOKUP_C = False
 
-import regex as re
 from typing_extensions import override
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -108,7 +107,6 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
-    JobId,
     JobResult,
     RequestOffloadingContext,
     ScheduleEndContext,
@@ -121,30 +119,31 @@ from vllm.v1.kv_offload.tiering.fs.budget import (
     FsTierBudget,
     validate_max_bytes,
 )
-from vllm.v1.kv_offload.tiering.fs.io import (
+from vllm.v1.kv_offload.tiering.fs.files import (
     GROUP_MODES,
     PRIVATE_MODES,
+    make_dirs,
+    scan_and_report,
+    write_file_atomically,
+)
+from vllm.v1.kv_offload.tiering.fs.io import (
     BlockMac,
     batch_load_block,
     batch_store_block,
     has_compiled_io,
     holds_no_block,
     is_block_path,
-    make_dirs,
     probe_o_direct,
     probe_xattr,
-    scan_tier_files,
-    write_file_atomically,
 )
+from vllm.v1.kv_offload.tiering.fs.layouts import LayoutMark, report_other_layouts
+from vllm.v1.kv_offload.tiering.fs.report import Throttle
 from vllm.v1.kv_offload.tiering.fs.security import (
     TierKey,
     check_root_dir,
     load_key_file,
 )
-from vllm.v1.kv_offload.tiering.fs.thread_pool import (
-    FAILURE_REPORT_INTERVAL_S,
-    DualQueueThreadPool,
-)
+from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool, FinishedJob
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -186,84 +185,72 @@ class FsAsyncLookupManager(AsyncLookupManager):
         return (is_block_path(p) for p in paths)
 
 
-# The most layout names a start-up line gives (then "and N more").
-_LAYOUTS_NAMED = 5
-# A running tier sets its layout directory's mtime (<model>_<layout digest>,
-# its config.json's) to now every so often, and an engine's start changes it
-# too (the O_DIRECT probe): a layout whose mtime is older has no engine
-# running on it, which another engine's start-up line says (_names()).
-LAYOUT_MARK_INTERVAL_S = 3600.0
-# A mark that keeps failing is reported at the first failure and then once
-# every so many intervals, with the count.
-_MARK_FAILURES_REPORTED_EVERY = 24
-# FileMapper's directories: <model>_<layout digest> (its config.json) and
-# <model>_<layout digest>_r<rank> (a rank's blocks).
-_LAYOUT_DIR = re.compile(r"(.+)_[0-9a-f]{12}(_r[0-9]+)?")
+def _file_mapper(
+    root_dir: str, offloading_spec: "OffloadingSpec", tier_key: TierKey | None
+) -> FileMapper:
+    """Where the tier's files are, by layout and (with key_file) key."""
+    # Opt in; FileMapper enables it only for a parallelism-invariant block.
+    return FileMapper.from_offloading_spec(
+        root_dir=root_dir,
+        offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=True,
+        # keyed files live apart from unkeyed ones; the key is not named
+        keyed_namespace=(
+            {"file_names": "keyed-blake2b-128", "mac": "hmac-sha256-xattr"}
+            if tier_key is not None
+            else None
+        ),
+        file_stem=tier_key.file_stem if tier_key is not None else None,
+    )
 
 
-def other_layouts(root_dir: str, base_path: str) -> tuple[list[str], list[str]]:
-    """Return the `<model>_<layout digest>` names of the layouts with
-    directories in `root_dir` other than `base_path`'s, sorted: this model's,
-    then other models'. One listing, no walk; a listing that fails part way
-    returns what it saw."""
-    own = os.path.basename(base_path)
-    own_model = _LAYOUT_DIR.fullmatch(own)
-    same: set[str] = set()
-    other: set[str] = set()
-    with contextlib.suppress(OSError), os.scandir(root_dir) as entries:
-        for entry in entries:
-            match = _LAYOUT_DIR.fullmatch(entry.name)
-            if match is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            name = entry.name.removesuffix(match.group(2) or "")
-            if name == own:
-                continue
-            model = match.group(1)
-            (same if own_model and model == own_model.group(1) else other).add(name)
-    return sorted(same), sorted(other)
+def _start_thread(target: Callable, *args: Any, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
-def _age(seconds: float) -> str:
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.0f} h"
-    return f"{seconds / 86400:.0f} days"
+def _check_settings(
+    tier_type: str, stale_s: object, group_access: object, checksum_blocks: object
+) -> None:
+    """Refuse settings of the wrong type, naming the setting and the fix."""
+    if stale_s is not None and (
+        isinstance(stale_s, bool)
+        or not isinstance(stale_s, (int, float))
+        or stale_s < 0
+    ):
+        raise ValueError(
+            "cleanup_stale_tmp_after_seconds of the "
+            f"'{tier_type}' tier must be a number of seconds >= 0 or null "
+            f"(no cleanup), got {stale_s!r}"
+        )
+    if not isinstance(group_access, bool):
+        raise ValueError(
+            f"group_access of the '{tier_type}' tier must be true or false, "
+            f"got {group_access!r}"
+        )
+    if not isinstance(checksum_blocks, bool):
+        raise ValueError(
+            f"checksum_blocks of the '{tier_type}' tier must be true or "
+            f"false, got {checksum_blocks!r}"
+        )
 
 
-def _names(root_dir: str, layouts: list[str], fields: dict | None = None) -> str:
-    """The layouts, least recently used first (their directory's mtime,
-    see LAYOUT_MARK_INTERVAL_S), each with how long ago and, given this
-    layout's `fields`, what differs in theirs (kv_values.layout_change)."""
-    mtimes = {}
-    for name in layouts:
-        with contextlib.suppress(OSError):
-            path = os.path.join(root_dir, name)
-            mtimes[name] = os.stat(path, follow_symlinks=False).st_mtime
-    now = time.time()
-    aged = sorted(layouts, key=lambda n: (n in mtimes, mtimes.get(n, 0.0), n))
-    described = []
-    for name in aged[:_LAYOUTS_NAMED]:
-        notes = []
-        if name in mtimes:
-            notes.append(f"last used {_age(max(0.0, now - mtimes[name]))} ago")
-        if fields is not None:
-            notes.append(kv_values.layout_change(fields, _read_fields(root_dir, name)))
-        described.append(f"{name!r} ({'; '.join(notes)})" if notes else repr(name))
-    named = ", ".join(described)
-    if len(layouts) > _LAYOUTS_NAMED:
-        named += f" and {len(layouts) - _LAYOUTS_NAMED} more"
-    return named
+@dataclass
+class _Job:
+    """A job in flight, as the tier keeps it: enqueued with the job's tasks,
+    it comes back with the finished job (FinishedJob.record), so that the
+    tier keeps no per-job table that I/O threads and the scheduler share."""
 
-
-def _read_fields(root_dir: str, name: str) -> dict | None:
-    """Another layout's recorded fields (its config.json), or None."""
-    try:
-        with open(os.path.join(root_dir, name, "config.json"), "rb") as f:
-            fields = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return fields if isinstance(fields, dict) else None
+    keys: list[OffloadKey]
+    is_load: bool
+    # a store's request (its KV events say it)
+    req_context: ReqContext | None = None
+    # what the job holds of the budget (FsTierBudget.finish_job())
+    admission: Admission | None = None
+    # a store's keys in _unloadable: loadable again once stored
+    rewrites: list[OffloadKey] = field(default_factory=list)
 
 
 class FileSystemTierManager(SecondaryTierManager):
@@ -285,28 +272,8 @@ class FileSystemTierManager(SecondaryTierManager):
         variable to the same value on all instances overrides the default seed,
         and is required to share a cache when using a non-cryptographic
         prefix-caching hash algorithm, which seeds ``NONE_HASH`` randomly.
-    """
 
-    medium: ClassVar[Medium] = Medium.STORAGE
-
-    def __init__(
-        self,
-        offloading_spec: "OffloadingSpec",
-        primary_kv_view: memoryview,
-        tier_type: str,
-        root_dir: str,
-        n_read_threads: int = 16,
-        n_write_threads: int = 16,
-        enable_kv_events: bool = False,
-        locality: str | None = None,
-        backpressure_detector: BackpressureDetector | None = None,
-        cleanup_stale_tmp_after_seconds: float | None = 3600.0,
-        group_access: bool = False,
-        key_file: str | None = None,
-        max_bytes: int | None = None,
-        checksum_blocks: bool = False,
-    ):
-        """Args:
+    Args:
         offloading_spec: Contains normalized offloading configuration and
             blocks_per_chunk.
         primary_kv_view: Memoryview of the primary tier's CPU KV cache.
@@ -340,28 +307,30 @@ class FileSystemTierManager(SecondaryTierManager):
             or that has none, is a miss (its file removed, counted). With
             key_file, the MAC checks the bytes already: no CRC32C.
 
-        """
-        stale_s = cleanup_stale_tmp_after_seconds
-        if stale_s is not None and (
-            isinstance(stale_s, bool)
-            or not isinstance(stale_s, (int, float))
-            or stale_s < 0
-        ):
-            raise ValueError(
-                "cleanup_stale_tmp_after_seconds of the "
-                f"'{tier_type}' tier must be a number of seconds >= 0 or null "
-                f"(no cleanup), got {stale_s!r}"
-            )
-        if not isinstance(group_access, bool):
-            raise ValueError(
-                f"group_access of the '{tier_type}' tier must be true or false, "
-                f"got {group_access!r}"
-            )
-        if not isinstance(checksum_blocks, bool):
-            raise ValueError(
-                f"checksum_blocks of the '{tier_type}' tier must be true or "
-                f"false, got {checksum_blocks!r}"
-            )
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        n_read_threads: int = 16,
+        n_write_threads: int = 16,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+        cleanup_stale_tmp_after_seconds: float | None = 3600.0,
+        group_access: bool = False,
+        key_file: str | None = None,
+        max_bytes: int | None = None,
+        checksum_blocks: bool = False,
+    ):
+        _check_settings(
+            tier_type, cleanup_stale_tmp_after_seconds, group_access, checksum_blocks
+        )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
@@ -376,69 +345,90 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         self.locality = Locality(locality) if locality is not None else None
 
-        self.events: list[OffloadingEvent] | None = None
-        if enable_kv_events:
-            if offloading_spec.kv_events_config.enable_kv_cache_events:
-                self.events = []
-            else:
-                logger.warning(
-                    "enable_kv_events is set on secondary tier '%s' but KV "
-                    "cache events are disabled globally; the tier will not "
-                    "emit events.",
-                    tier_type,
-                )
-        # Track in-flight store jobs for lookup invalidation and KV events.
-        self._store_jobs: dict[JobId, TransferJob] = {}
-        # Keys of in-flight load (promotion) jobs, so a failed load can mark
-        # its own cached lookup verdicts False (see get_finished_jobs).
-        self._load_job_keys: dict[JobId, list[OffloadKey]] = {}
-        # Block count per in-flight job, used to report transfer_bytes.
-        self._job_block_counts: dict[JobId, int] = {}
-        # Per failed load job: the indices of its keys that failed to load
-        # (partial keep). Written by the pool worker inside the load task
-        # before it raises (so before task_done publishes the job); read on the
-        # scheduler thread in get_finished_jobs only for job ids the finished
-        # queue returned. Under the GIL that read cannot observe the finished
-        # job without the prior write, so no extra lock is needed (get_finished
-        # is itself lock-free).
-        self._load_failures: dict[JobId, list[int]] = {}
-        # Per failed load job: the indices of its failed keys whose path still
-        # holds something that is not a block (it could not be removed).
-        # Same hand-off as _load_failures.
-        self._load_unloadable: dict[JobId, list[int]] = {}
+        self.events = self._kv_events(enable_kv_events, offloading_spec)
         # Keys whose path holds something that is not a block and could not be
         # removed (a directory, a bad file on a read-only mount): answered as
         # misses, so that no request promotes them again, until a store of the
         # key succeeds (a store replaces anything that is not a complete
         # block, or fails). Bounded by the broken paths on disk.
         self._unloadable: set[OffloadKey] = set()
-        # Per in-flight store job: its keys in _unloadable.
-        self._store_job_unloadable: dict[JobId, list[OffloadKey]] = {}
 
-        # Extract block size from primary view
-        assert primary_kv_view.strides is not None, (
-            "primary_kv_view.strides cannot be None"
-        )
-        self._block_size: int = primary_kv_view.strides[0]
+        self._block_size: int = self.block_size_bytes  # a row of the view
         num_groups = len(offloading_spec.config.groups)
         self._max_bytes = validate_max_bytes(
             max_bytes, max(1, num_groups) * self._block_size, tier_type
         )
 
-        # Opt in; FileMapper enables it only for a parallelism-invariant block.
-        self.file_mapper = FileMapper.from_offloading_spec(
-            root_dir=root_dir,
-            offloading_spec=offloading_spec,
-            blocks_per_file=offloading_spec.blocks_per_chunk,
-            parallel_agnostic=True,
-            # keyed files live apart from unkeyed ones; the key is not named
-            keyed_namespace=(
-                {"file_names": "keyed-blake2b-128", "mac": "hmac-sha256-xattr"}
-                if tier_key is not None
-                else None
-            ),
-            file_stem=tier_key.file_stem if tier_key is not None else None,
+        self.file_mapper = _file_mapper(root_dir, offloading_spec, tier_key)
+        self._init_integrity(tier_key, checksum_blocks)
+
+        self._config_lock = threading.Lock()
+        self._config_failures = 0  # since the last warning (under _config_lock)
+        self._config_throttle = Throttle()
+        self._write_config()
+
+        self._probe_root(root_dir)
+
+        self._pool = DualQueueThreadPool(
+            n_read_threads,
+            n_write_threads,
+            thread_name_prefix="vllm_kv_py_fs",
+            label=f"'{tier_type}' KV offload tier at {root_dir}",
         )
+
+        self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=self.tier_type)
+
+        self._start_tmp_cleanup(root_dir, cleanup_stale_tmp_after_seconds)
+
+        self._budget_reported = (0, 0)  # evicted, rejected files in get_stats()
+        self._budget: FsTierBudget | None = None
+        if self._max_bytes is not None:
+            self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
+        label = f"'{tier_type}' KV offload tier at {root_dir}"
+        fields = self.file_mapper.fields
+        budgeted = self._max_bytes is not None
+        report_other_layouts(
+            label, root_dir, self.file_mapper.base_path, fields, budgeted
+        )
+        self._marker = LayoutMark(self._o_direct_dir, label)
+
+    def _kv_events(
+        self, enable_kv_events: bool, offloading_spec: "OffloadingSpec"
+    ) -> list[OffloadingEvent] | None:
+        """The list KV events are collected in; None: none are emitted."""
+        if not enable_kv_events:
+            return None
+        if offloading_spec.kv_events_config.enable_kv_cache_events:
+            return []
+        logger.warning(
+            "enable_kv_events is set on secondary tier '%s' but KV "
+            "cache events are disabled globally; the tier will not "
+            "emit events.",
+            self.tier_type,
+        )
+        return None
+
+    def _start_tmp_cleanup(self, root_dir: str, max_age_s: float | None) -> None:
+        """Walk the tier's files in the background (the walk can be long):
+        remove the temp files of writers that died between writing a block
+        and renaming it into place, and count files with wider modes than
+        the tier's."""
+        self._tmp_cleanup_stop = threading.Event()
+        rank_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        self._tmp_cleanup = _start_thread(
+            scan_and_report,
+            f"'{self.tier_type}' KV offload tier at {root_dir}",
+            [rank_dir, self._o_direct_dir],
+            max_age_s,
+            self._modes,
+            root_dir,
+            self._tmp_cleanup_stop,
+            name="vllm_kv_py_fs_tmp_cleanup",
+        )
+
+    def _init_integrity(self, tier_key: TierKey | None, checksum_blocks: bool) -> None:
+        """What each block file carries: its MAC (key_file) or CRC32C
+        (checksum_blocks), or nothing."""
         self._mac: BlockMac | None = None
         if tier_key is not None:
             self._mac = BlockMac(tier_key.mac_key, self.file_mapper.layout_id())
@@ -452,7 +442,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 "'%s' KV offload tier: checksum_blocks is covered by key_file "
                 "(each block's HMAC-SHA256 is checked on load); no CRC32C is "
                 "stored.",
-                tier_type,
+                self.tier_type,
             )
         elif self._checksum and not has_compiled_io():
             logger.warning(
@@ -460,26 +450,20 @@ class FileSystemTierManager(SecondaryTierManager):
                 "fs_io_C extension computes each block's CRC32C in Python "
                 "(under 10 MB/s per I/O thread). Fix: build vLLM with it, or "
                 "set checksum_blocks to false.",
-                tier_type,
+                self.tier_type,
             )
         # blocks that failed their integrity check (checksum_blocks), reported
-        # by get_stats(); per failed load job, its count (same hand-off as
-        # _load_failures)
+        # by get_stats()
         self._checksum_failures = 0
         self._checksum_reported = 0
-        self._load_integrity: dict[JobId, int] = {}
 
-        # Write config file
-        config_path = self.file_mapper.get_config_file_path()
-        self._config_lock = threading.Lock()
-        self._config_failures = 0  # since the last warning (under _config_lock)
-        self._next_config_warning = float("-inf")
-        self._write_config()
-
+    def _probe_root(self, root_dir: str) -> None:
+        """Probe the layout directory for O_DIRECT and, where a MAC or
+        CRC32C is kept, for user extended attributes."""
         # Prefer O_DIRECT to bypass the page cache, but fall back to buffered
         # I/O on filesystems that reject it (e.g. overlayfs, some NFS mounts)
         # rather than failing every block.
-        self._o_direct_dir = os.path.dirname(config_path)
+        self._o_direct_dir = os.path.dirname(self.file_mapper.get_config_file_path())
         self._reprobe_at: float | None = None  # None: never
         try:
             self._use_o_direct = probe_o_direct(self._o_direct_dir)
@@ -492,7 +476,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 "for the '%s' KV offload tier and probing again in %.0f s.",
                 root_dir,
                 e,
-                tier_type,
+                self.tier_type,
                 REPROBE_INTERVAL_S,
             )
         if self._mac is not None or self._checksum:
@@ -505,7 +489,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 probe_xattr(self._o_direct_dir)
             except OSError as e:
                 raise ValueError(
-                    f"{setting} of the '{tier_type}' tier needs user extended "
+                    f"{setting} of the '{self.tier_type}' tier needs user extended "
                     f"attributes at root_dir {root_dir!r} (each block's {kept} "
                     "is kept in one), but the filesystem refused one "
                     f"({e.strerror}). Fix: use a root_dir on a filesystem with "
@@ -517,97 +501,8 @@ class FileSystemTierManager(SecondaryTierManager):
                 "O_DIRECT is not supported at '%s'; falling back to buffered "
                 "I/O for the '%s' KV offload tier.",
                 root_dir,
-                tier_type,
-            )
-
-        self._pool = DualQueueThreadPool(
-            n_read_threads,
-            n_write_threads,
-            thread_name_prefix="vllm_kv_py_fs",
-            label=f"'{tier_type}' KV offload tier at {root_dir}",
-        )
-
-        self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=self.tier_type)
-
-        # Walk the tier's files in the background (the walk can be long):
-        # remove the temp files of writers that died between writing a block
-        # and renaming it into place, and count files with wider modes than
-        # the tier's.
-        self._tmp_cleanup_stop = threading.Event()
-        self._tmp_cleanup = threading.Thread(
-            target=self._scan_tier_files,
-            args=(
-                [
-                    f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
-                    os.path.dirname(config_path),
-                ],
-                cleanup_stale_tmp_after_seconds,
-                root_dir,
-            ),
-            name="vllm_kv_py_fs_tmp_cleanup",
-            daemon=True,
-        )
-        self._tmp_cleanup.start()
-
-        # what each job holds of the budget (see FsTierBudget.finish_job()),
-        # the keys a store job's task wrote (those its admission kept), and
-        # the keys a failed store job left without a file
-        self._budget_tickets: dict[JobId, Admission] = {}
-        self._budget_written: dict[JobId, list[OffloadKey]] = {}
-        self._budget_failed: dict[JobId, list[OffloadKey]] = {}
-        # store jobs failed only by the budget's refusal: their written keys
-        # are stored
-        self._budget_refused: set[JobId] = set()
-        # per failed load job: the indices of its failed keys whose file is
-        # gone or unloadable (a file a load failed to read, e.g. EMFILE or
-        # EIO, is still there and still counted). Same hand-off as
-        # _load_failures.
-        self._budget_load_gone: dict[JobId, list[int]] = {}
-        self._budget_reported = (0, 0)  # evicted, rejected files in get_stats()
-        self._budget: FsTierBudget | None = None
-        if self._max_bytes is not None:
-            self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        same, other = other_layouts(root_dir, self.file_mapper.base_path)
-        # Never read, removed or counted in max_bytes here: an upgrade's old
-        # layout stays until someone removes it. Other models' are likely live.
-        counted = "" if self._max_bytes is None else ", nor counts them in max_bytes"
-        if same:
-            (logger.info if self._max_bytes is None else logger.warning)(
-                "'%s' KV offload tier at %s: directories of %d other "
-                "layout(s) of this model are in the root (other weights', "
-                "model config's, vLLM version's, tier setting's or "
-                "parallelism's): %s (<name> and <name>_r<rank>; its "
-                "config.json records the settings). This "
-                "tier never reads or removes them%s: if no engine uses one, "
-                "remove it (running engines of this version mark theirs every "
-                "%.0f min).",
                 self.tier_type,
-                root_dir,
-                len(same),
-                _names(root_dir, same, self.file_mapper.fields),
-                counted,
-                LAYOUT_MARK_INTERVAL_S / 60,
             )
-        if other:
-            logger.info(
-                "'%s' KV offload tier at %s: directories of %d other "
-                "model(s)' layouts are in the root: %s. This tier never reads "
-                "or removes them%s.",
-                self.tier_type,
-                root_dir,
-                len(other),
-                _names(root_dir, other),
-                counted,
-            )
-        # Mark this layout in use while the tier runs (a thread of its own).
-        self._stop_marking = threading.Event()
-        self._marker = threading.Thread(
-            target=self._mark_layout_in_use,
-            args=(root_dir,),
-            name="vllm_kv_py_fs_layout_mark",
-            daemon=True,
-        )
-        self._marker.start()
 
     def _start_budget(
         self,
@@ -685,58 +580,24 @@ class FileSystemTierManager(SecondaryTierManager):
         write_file_atomically(config_path, config.encode(), self._modes)
         return True
 
-    def _mark_layout_in_use(self, root_dir: str) -> None:
-        """Set the layout directory's mtime to now, at start and every
-        LAYOUT_MARK_INTERVAL_S until shutdown: what tells another engine
-        sharing the root that this layout is in use (the directory, not
-        config.json: on a group_access root the group may write it). A
-        failing mark is reported at once, then with its count every
-        _MARK_FAILURES_REPORTED_EVERY intervals: the layout looks unused."""
-        layout_dir = os.path.dirname(self.file_mapper.get_config_file_path())
-        failures = 0
-        while True:
-            try:
-                os.utime(layout_dir, follow_symlinks=False)
-                if failures:
-                    logger.info(
-                        "'%s' KV offload tier at %s: marks its layout in use "
-                        "again after %d failure(s)",
-                        self.tier_type,
-                        root_dir,
-                        failures,
-                    )
-                failures = 0
-            except OSError as e:
-                if failures % _MARK_FAILURES_REPORTED_EVERY == 0:
-                    logger.warning(
-                        "'%s' KV offload tier at %s: could not mark its layout "
-                        "in use (%d time(s) in a row; %s): other engines "
-                        "sharing the root see it as unused",
-                        self.tier_type,
-                        root_dir,
-                        failures + 1,
-                        e,
-                    )
-                failures += 1
-            if self._stop_marking.wait(LAYOUT_MARK_INTERVAL_S):
-                return
-
-    def _store_and_keep_config(self, store: Callable[[], None]) -> None:
+    def _store_and_keep_config(
+        self, store: Callable[[], list[OffloadKey]]
+    ) -> list[OffloadKey]:
         """Run a store task (on an I/O thread), then re-create config.json if
         the tier's root was removed while running (an operator cleaning a
         cache directory): the store re-created the block directories, which
         must not be left without the file that says what they hold. Costs a
-        stat per store job."""
-        store()
+        stat per store job. Returns what the store task returned."""
+        keys = store()
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
-            return
+            return keys
         with self._config_lock:
             try:
                 written = self._write_config()
             except OSError as e:
                 self._report_config_failure(config_path, e)
-                return
+                return keys
         if written:
             logger.warning(
                 "%s was missing (was the '%s' KV offload tier's directory "
@@ -744,16 +605,15 @@ class FileSystemTierManager(SecondaryTierManager):
                 config_path,
                 self.tier_type,
             )
+        return keys
 
     def _report_config_failure(self, config_path: str, error: OSError) -> None:
         """Rate-limited, with counts (under _config_lock): the first failure
-        at once, then at most one warning per FAILURE_REPORT_INTERVAL_S, so a
-        root that stays unwritable is neither silent nor flooding the log."""
+        at once, then at most one warning per REPORT_INTERVAL_S, so a root
+        that stays unwritable is neither silent nor flooding the log."""
         self._config_failures += 1
-        now = time.monotonic()
-        if now < self._next_config_warning:
+        if not self._config_throttle.due():
             return
-        self._next_config_warning = now + FAILURE_REPORT_INTERVAL_S
         logger.warning(
             "Could not re-create %s for the '%s' KV offload tier (%d failed "
             "attempt(s) since the last warning; its blocks are stored "
@@ -765,13 +625,15 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         self._config_failures = 0
 
-    def _store_and_reprobe_o_direct(self, store: Callable[[], None]) -> None:
+    def _store_and_reprobe_o_direct(
+        self, store: Callable[[], list[OffloadKey]]
+    ) -> list[OffloadKey]:
         """Run a store task, then probe O_DIRECT again after a transient
         failure (on an I/O thread): switch to it if it works now (blocks are
         the same bytes in both modes), else probe again later while the
-        failure may pass."""
+        failure may pass. Returns what the store task returned."""
         try:
-            store()
+            return store()
         finally:
             try:
                 self._use_o_direct = probe_o_direct(self._o_direct_dir)
@@ -787,43 +649,6 @@ class FileSystemTierManager(SecondaryTierManager):
                     self.tier_type,
                 )
 
-    def _scan_tier_files(
-        self, directories: list[str], max_age_s: float | None, root_dir: str
-    ) -> None:
-        scan = scan_tier_files(
-            directories, max_age_s, self._modes, self._tmp_cleanup_stop
-        )
-        if scan.removed:
-            logger.info(
-                "Removed %d stale temp files (%d bytes, older than %.0f s) under "
-                "%s for the '%s' KV offload tier.",
-                scan.removed,
-                scan.removed_bytes,
-                max_age_s,
-                directories,
-                self.tier_type,
-            )
-        if scan.too_open_example is not None:
-            path, mode = scan.too_open_example
-            group = self._modes is GROUP_MODES
-            logger.warning(
-                "%d file(s) and directories of the '%s' KV offload tier at %s "
-                "have wider modes than %o (files) / %o (directories), e.g. %s "
-                "(mode %o): users other than the tier's %s read or change "
-                "cached KV blocks there. Restrict them, e.g. chmod -R %s %s",
-                scan.too_open,
-                self.tier_type,
-                root_dir,
-                self._modes.file,
-                self._modes.dir,
-                path,
-                mode,
-                "and its group may" if group else "may",
-                "o-rwx" if group else "go-rwx",
-                root_dir,
-            )
-
-    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -845,19 +670,39 @@ class FileSystemTierManager(SecondaryTierManager):
                 return LookupResult.MISS
         return LookupResult.HIT if result else LookupResult.MISS
 
+    def _store_blocks(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> list[OffloadKey]:
+        """A store task (on an I/O thread): writes the blocks and returns the
+        keys it wrote."""
+        if paths:
+            batch_store_block(
+                paths,
+                self._primary_kv_view,
+                offsets,
+                self._block_size,
+                self._use_o_direct,
+                self._modes,
+                self._mac,
+                keys,
+                self._checksum,
+            )
+        return keys
+
     def _store_within_budget(
         self,
-        job_id: JobId,
         admission: Admission,
         keys: list[OffloadKey],
         paths: list[str],
         offsets: list[int],
-    ) -> None:
+    ) -> list[OffloadKey]:
         """A budgeted store task (on an I/O thread): its job's admission
         (reserving its bytes, evicting first; see FsTierBudget.admitted()),
-        the evicted chunks' files removed, the admitted blocks written, then
-        the job failed if some did not fit (a BudgetRejection: reported by
-        the budget's rejection warning, and the written keys are stored)."""
+        the evicted chunks' files removed, the admitted blocks written.
+        Returns the keys written; raises a BudgetRejection (reported by the
+        budget's rejection warning) carrying them as ``written`` if some did
+        not fit, and any failure with ``missing``, the keys left without a
+        file (the budget forgets them)."""
         assert self._budget is not None
         rejected, unreachable, evicted = self._budget.admitted(admission)
         if rejected or unreachable:
@@ -869,42 +714,26 @@ class FileSystemTierManager(SecondaryTierManager):
             keys = [keys[i] for i in kept]
             paths = [paths[i] for i in kept]
             offsets = [offsets[i] for i in kept]
-        # what the job writes, read by get_finished_jobs() after the
-        # finished queue hands this job back (same hand-off as
-        # _load_failures)
-        self._budget_written[job_id] = keys
         if evicted:
             self._budget.remove_evicted(evicted)
         try:
-            if paths:
-                batch_store_block(
-                    paths,
-                    self._primary_kv_view,
-                    offsets,
-                    self._block_size,
-                    self._use_o_direct,
-                    self._modes,
-                    self._mac,
-                    keys,
-                    self._checksum,
-                )
-        except Exception:
-            # the budget forgets the files that are not there, whatever
-            # the store raised (not only OSError)
-            self._budget_failed[job_id] = [
-                k for k, p in zip(keys, paths) if not is_block_path(p)
-            ]
+            self._store_blocks(keys, paths, offsets)
+        except Exception as exc:
+            # whatever the store raised (not only OSError)
+            missing = [k for k, p in zip(keys, paths) if not is_block_path(p)]
+            exc.missing = missing  # type: ignore[attr-defined]
             raise
         self._budget.written(admission, keys)
         if rejected:
-            # what it wrote is stored (same hand-off as _budget_written)
-            self._budget_refused.add(job_id)
-            raise BudgetRejection(
+            refusal = BudgetRejection(
                 errno.ENOSPC,
                 f"{len(rejected)} block(s) not stored: no room in "
                 f"max_bytes={self._max_bytes}, every indexed block file is in "
                 "use by a transfer",
             )
+            refusal.written = keys  # type: ignore[attr-defined]
+            raise refusal
+        return keys
 
     def _publish_evicted(self) -> None:
         """Evicted chunks' keys (scheduler thread): their cached lookup
@@ -924,58 +753,38 @@ class FileSystemTierManager(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        job_id = job_metadata.job_id
         keys = list(job_metadata.keys)
-        self._store_jobs[job_id] = job_metadata
+        job = _Job(keys, is_load=False, req_context=job_metadata.req_context)
         if self._unloadable:
-            unloadable = [key for key in keys if key in self._unloadable]
-            if unloadable:
-                self._store_job_unloadable[job_id] = unloadable
+            job.rewrites = [key for key in keys if key in self._unloadable]
         paths = [self.file_mapper.get_file_name(key) for key in keys]
         offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
-        task: Callable[[], None]
+        task: Callable[[], list[OffloadKey]]
         if self._budget is not None:
             # the job's admission is decided by its task, in order with the
             # scheduler's other budget events (off this thread)
             ctx = job_metadata.req_context
-            admission = self._budget.admit_store(
+            job.admission = self._budget.admit_store(
                 keys, ctx.req_id, ctx.offload_key_positions()
             )
-            self._budget_tickets[job_id] = admission
             task = functools.partial(
-                self._store_within_budget, job_id, admission, keys, paths, offsets
+                self._store_within_budget, job.admission, keys, paths, offsets
             )
         else:
-            task = functools.partial(
-                batch_store_block,
-                paths,
-                self._primary_kv_view,
-                offsets,
-                self._block_size,
-                self._use_o_direct,
-                self._modes,
-                self._mac,
-                keys,
-                self._checksum,
-            )
-        self._job_block_counts[job_id] = len(keys)
+            task = functools.partial(self._store_blocks, keys, paths, offsets)
         store = functools.partial(self._store_and_keep_config, task)
         if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
             # This job's I/O thread probes O_DIRECT again after its store.
             self._reprobe_at = None
             store = functools.partial(self._store_and_reprobe_o_direct, store)
-        self._pool.enqueue_store(job_id, 1, [store])
+        self._pool.enqueue_store(job_metadata.job_id, 1, [store], job, len(keys))
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        job_id = job_metadata.job_id
-        # Track this load's keys so a failed promotion can mark only its failed
-        # keys as a miss (see get_finished_jobs).
         keys = list(job_metadata.keys)
-        self._load_job_keys[job_id] = keys
-        self._job_block_counts[job_id] = len(keys)
+        job = _Job(keys, is_load=True)
         if self._budget is not None:
-            self._budget_tickets[job_id] = self._budget.pin_load(keys)
+            job.admission = self._budget.pin_load(keys)
         paths = [self.file_mapper.get_file_name(key) for key in keys]
         offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
 
@@ -992,153 +801,126 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._checksum,
                 )
             except OSError as exc:
-                # Runs on the pool worker thread. Record which blocks failed so
-                # get_finished_jobs can keep all the others; this write
-                # precedes task_done, so the scheduler reads it safely under
-                # the GIL once the finished queue hands back this job. Without
-                # failed_indices, every block counts as failed.
-                failed_indices = getattr(exc, "failed_indices", None)
-                if failed_indices is not None:
-                    self._load_failures[job_id] = list(failed_indices)
-                # A planted file that failed its MAC and could not be removed
-                # (a read-only mount) is unloadable too.
-                integrity_failed = getattr(exc, "integrity_failed", ())
-                if integrity_failed:
-                    self._load_integrity[job_id] = len(integrity_failed)
-                failed = range(len(paths)) if failed_indices is None else failed_indices
-                unloadable = [
-                    i
-                    for i in failed
-                    if holds_no_block(paths[i], self._block_size)
-                    or (i in integrity_failed and os.path.lexists(paths[i]))
-                ]
-                self._load_unloadable[job_id] = unloadable
-                if self._budget is not None:
-                    # the budget forgets these files; the others still count
-                    kept_broken = set(unloadable)
-                    self._budget_load_gone[job_id] = [
-                        i
-                        for i in failed
-                        if i in kept_broken or not is_block_path(paths[i])
-                    ]
-                # Surfaces errno (e.g. EMFILE "Too many open files") for both
-                # the C and Python load paths.
-                logger.debug(
-                    "Load of %d blocks for job %s failed for %s blocks: %s",
-                    len(paths),
-                    job_id,
-                    "all" if failed_indices is None else len(failed_indices),
-                    exc,
-                )
+                self._describe_failed_load(exc, paths)
                 raise
 
-        self._pool.enqueue_load(job_id, 1, [load_task])
+        self._pool.enqueue_load(job_metadata.job_id, 1, [load_task], job, len(keys))
+
+    def _describe_failed_load(self, exc: OSError, paths: list[str]) -> None:
+        """On the I/O thread, what a failed load left at its paths, as
+        attributes of its error (read in _finish_load()): ``unloadable``,
+        the indices of failed blocks whose path holds something that is not
+        a block and could not be removed (a planted file that failed its MAC
+        on a read-only mount too), and ``gone``, those whose file the budget
+        forgets (gone or unloadable; a file a load failed to read, e.g.
+        EMFILE or EIO, is still there and still counted). Without
+        ``failed_indices`` (from batch_load_block), every block failed."""
+        failed_indices = getattr(exc, "failed_indices", None)
+        integrity_failed = getattr(exc, "integrity_failed", ())
+        failed = range(len(paths)) if failed_indices is None else failed_indices
+        unloadable = [
+            i
+            for i in failed
+            if holds_no_block(paths[i], self._block_size)
+            or (i in integrity_failed and os.path.lexists(paths[i]))
+        ]
+        exc.unloadable = unloadable  # type: ignore[attr-defined]
+        if self._budget is not None:
+            kept_broken = set(unloadable)
+            exc.gone = [  # type: ignore[attr-defined]
+                i for i in failed if i in kept_broken or not is_block_path(paths[i])
+            ]
+        # Surfaces errno (e.g. EMFILE "Too many open files") for both the C
+        # and Python load paths.
+        logger.debug(
+            "Load of %d blocks failed for %s blocks: %s",
+            len(paths),
+            "all" if failed_indices is None else len(failed_indices),
+            exc,
+        )
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Collect finished jobs; a failed promotion marks only its failed keys
         as a miss here (scheduler thread)."""
-        results = []
         if self._budget is not None:
             # before the stores that evicted them are reported
             self._publish_evicted()
-        for job_id, success, transfer_time in self._pool.get_finished():
-            # whether the keys the job wrote are stored, and which (None: all)
-            stored, written = success, None
-            if self._budget is not None:
-                stored, written = self._finish_budget_job(job_id, success)
-            block_count = self._job_block_counts.pop(job_id, 0)
-            transfer_bytes = block_count * self._block_size if block_count else None
-            job = self._store_jobs.pop(job_id, None)
-            if job is not None and stored:
-                # Successful store makes previously absent keys known-present:
-                # only those it wrote (the budget may have refused others).
-                keys = job.keys if written is None else written
-                self._lookup_manager.mark_present(keys)
-                if self.events is not None and keys:
-                    self.events.append(
-                        OffloadingEvent(
-                            keys=list(keys),
-                            medium=self.medium,
-                            removed=False,
-                            locality=self.locality,
-                            req_context=job.req_context,
-                        )
-                    )
-            unloadable = self._store_job_unloadable.pop(job_id, None)
-            if stored and unloadable:
-                self._unloadable.difference_update(unloadable)
-            load_keys = self._load_job_keys.pop(job_id, None)
-            failed_indices = self._load_failures.pop(job_id, None)
-            self._checksum_failures += self._load_integrity.pop(job_id, 0)
-            for i in self._load_unloadable.pop(job_id, ()):
-                assert load_keys is not None
-                self._unloadable.add(load_keys[i])
-            if load_keys is not None and not success:
-                # A batched load goes on past a bad block and reports which
-                # blocks failed. The others are kept in the primary tier
-                # (reported via successful_keys); only the failed ones are
-                # marked a miss and recomputed.
-                successful: list[OffloadKey] = []
-                if failed_indices is None:
-                    failed = load_keys
-                else:
-                    failed_set = set(failed_indices)
-                    failed = []
-                    for i, k in enumerate(load_keys):
-                        (failed if i in failed_set else successful).append(k)
-                self._lookup_manager.mark_miss(failed)
-                results.append(
-                    JobResult(
-                        job_id=job_id,
-                        success=False,
-                        successful_keys=tuple(successful) if successful else None,
-                        transfer_time=transfer_time,
-                        transfer_bytes=transfer_bytes,
-                    )
-                )
-                continue
-            results.append(
-                JobResult(
-                    job_id=job_id,
-                    success=success,
-                    transfer_time=transfer_time,
-                    transfer_bytes=transfer_bytes,
-                )
-            )
-        return results
+        return [
+            self._finish_load(finished)
+            if finished.record.is_load
+            else self._finish_store(finished)
+            for finished in self._pool.get_finished()
+        ]
 
-    def _finish_budget_job(
-        self, job_id: JobId, success: bool
-    ) -> tuple[bool, list[OffloadKey] | None]:
-        """Unpin the job's chunks; forget the files a failed job left
-        missing or unloadable (a failed load removed a bad file; a file it
-        failed to read is still there and still counted). Returns whether
-        the keys the job wrote are stored (it succeeded, or failed only
-        because the budget refused its other keys), and which keys a store
-        wrote (None: not a store)."""
-        assert self._budget is not None
-        stored = success
-        if job_id in self._budget_refused:
-            self._budget_refused.discard(job_id)
-            stored = True
-        written = self._budget_written.pop(job_id, None)
-        if written is not None and len(written) < self._job_block_counts[job_id]:
-            # its admission dropped keys: report and count only those written
-            self._job_block_counts[job_id] = len(written)
-            unloadable = self._store_job_unloadable.get(job_id)
-            if unloadable:
-                kept = set(written)
-                self._store_job_unloadable[job_id] = [
-                    k for k in unloadable if k in kept
-                ]
-        failed: list[OffloadKey] = self._budget_failed.pop(job_id, [])
-        gone = self._budget_load_gone.pop(job_id, ())
-        load_keys = self._load_job_keys.get(job_id)
-        if load_keys is not None and gone:
-            failed = [load_keys[i] for i in gone]
-        self._budget.finish_job(self._budget_tickets.pop(job_id), failed)
-        return stored, written
+    def _finish_store(self, finished: FinishedJob) -> JobResult:
+        """A finished store: the keys it wrote are present (all of them, or
+        those written before the budget refused the others)."""
+        job: _Job = finished.record
+        outcome = finished.outcomes[0]
+        failed = isinstance(outcome, Exception)
+        written: list[OffloadKey] = (
+            getattr(outcome, "written", []) if failed else outcome
+        )
+        if self._budget is not None:
+            assert job.admission is not None
+            self._budget.finish_job(job.admission, getattr(outcome, "missing", []))
+        if written:
+            self._lookup_manager.mark_present(written)
+            if self.events is not None:
+                self.events.append(
+                    OffloadingEvent(
+                        keys=list(written),
+                        medium=self.medium,
+                        removed=False,
+                        locality=self.locality,
+                        req_context=job.req_context,
+                    )
+                )
+            if job.rewrites:
+                # a store replaced what could not be loaded: loadable again
+                self._unloadable.difference_update(set(job.rewrites) & set(written))
+        count = len(written) if written else len(job.keys)
+        return JobResult(
+            job_id=finished.job_id,
+            success=not failed,
+            transfer_time=finished.transfer_time,
+            transfer_bytes=count * self._block_size if count else None,
+        )
+
+    def _finish_load(self, finished: FinishedJob) -> JobResult:
+        """A finished load. A batched load goes on past a bad block and
+        reports which blocks failed: the others are kept in the primary tier
+        (reported via successful_keys); only the failed ones are marked a
+        miss and recomputed."""
+        job: _Job = finished.record
+        outcome = finished.outcomes[0]
+        keys = job.keys
+        transfer_bytes = len(keys) * self._block_size if keys else None
+        if self._budget is not None:
+            assert job.admission is not None
+            gone = getattr(outcome, "gone", ())
+            self._budget.finish_job(job.admission, [keys[i] for i in gone])
+        if not isinstance(outcome, Exception):
+            return JobResult(
+                job_id=finished.job_id,
+                success=True,
+                transfer_time=finished.transfer_time,
+                transfer_bytes=transfer_bytes,
+            )
+        self._checksum_failures += len(getattr(outcome, "integrity_failed", ()))
+        self._unloadable.update(keys[i] for i in getattr(outcome, "unloadable", ()))
+        failed_indices = getattr(outcome, "failed_indices", None)
+        failed_set = set(range(len(keys)) if failed_indices is None else failed_indices)
+        successful = [k for i, k in enumerate(keys) if i not in failed_set]
+        self._lookup_manager.mark_miss([keys[i] for i in sorted(failed_set)])
+        return JobResult(
+            job_id=finished.job_id,
+            success=False,
+            successful_keys=tuple(successful) if successful else None,
+            transfer_time=finished.transfer_time,
+            transfer_bytes=transfer_bytes,
+        )
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -1238,9 +1020,8 @@ class FileSystemTierManager(SecondaryTierManager):
         clearing pending tasks and waiting for active threads to complete.
         """
         self._tmp_cleanup_stop.set()
-        self._stop_marking.set()
         self._tmp_cleanup.join()
-        self._marker.join()
+        self._marker.stop()
         self._lookup_manager.shutdown()
         self._pool.shutdown(wait=True)
         if self._budget is not None:

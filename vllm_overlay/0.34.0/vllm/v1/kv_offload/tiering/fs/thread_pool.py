@@ -5,43 +5,59 @@ Two queues (load, store) and two sets of threads:
 - Load-priority threads: drain the load queue first, then the store queue.
 - Store-priority threads: drain the store queue first, then the load queue.
 Load jobs are enqueued to the load queue; store jobs to the store queue.
+
+A job's outcome travels with it: each task's return value or exception is
+kept in its JobState (under the state's lock) and handed back, with the
+record the tier enqueued the job with, through the finished queue (under
+the pool's condition), so that what a job's tasks found needs no other
+hand-over between the I/O threads and the thread that collects jobs.
 """
 
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.tiering.base import JobId
 from vllm.v1.kv_offload.tiering.fs.budget import BudgetRejection
+from vllm.v1.kv_offload.tiering.fs.io import BlockIntegrityError
+from vllm.v1.kv_offload.tiering.fs.report import Throttle
 
 logger = init_logger(__name__)
 
-# A tier whose every job fails (a full or read-only disk) reports at most one
-# line per interval, with the counts since its previous line.
-FAILURE_REPORT_INTERVAL_S = 30.0
 
+class FailureReport:
+    """Rate-limited, thread-safe report of failed block I/O.
 
-class _FailureReport:
-    """Thread-safe, rate-limited report of failed jobs: the first failure is
-    logged at once, later ones at most once per FAILURE_REPORT_INTERVAL_S."""
+    The first failure is logged at once; later ones at most once per
+    REPORT_INTERVAL_S (report.Throttle), each line with the block writes
+    and reads that failed since the previous line and the last error.
+    Counts not reported yet are logged by flush() (polled from the
+    scheduler) once the interval has passed, and at shutdown (force).
+    """
 
     def __init__(self, label: str) -> None:
         self._label = label
         self._lock = threading.Lock()
-        self._failed = {"store": 0, "load": 0}
-        # blocks that failed their MAC (damaged or planted files)
+        self._jobs = {"store": 0, "load": 0}  # failed jobs
+        self._blocks = {"store": 0, "load": 0}  # their blocks not stored/loaded
+        # reads that failed their checksum or MAC (damaged or planted files)
         self._integrity = 0
         # evicted files (max_bytes) that could not be removed
         self._removals = 0
-        self._last_error: Exception | str | None = None
-        self._next_report = float("-inf")
+        self._last_error: str | None = None
+        self._throttle = Throttle()
 
-    def record(self, kind: str, error: Exception) -> None:
+    def record(self, kind: str, blocks: int, error: str, integrity: int = 0) -> None:
+        """A failed job of *kind* ("store" or "load"): *blocks* of its blocks
+        were not stored or loaded, *integrity* of them failed their checksum
+        or MAC."""
         with self._lock:
-            self._failed[kind] += 1
-            self._integrity += len(getattr(error, "integrity_failed", ()))
+            self._jobs[kind] += 1
+            self._blocks[kind] += blocks
+            self._integrity += integrity
             self._last_error = error
             line = self._take_line(force=False)
         if line is not None:
@@ -60,22 +76,19 @@ class _FailureReport:
     def flush(self, force: bool = False) -> None:
         """Log the failures not reported yet: once the interval has passed
         (polled), or now (force, at shutdown)."""
-        if not (self._failed["store"] or self._failed["load"] or self._removals):
-            return
         with self._lock:
             line = self._take_line(force)
         if line is not None:
             logger.error(*line)
 
     def _take_line(self, force: bool) -> tuple | None:
-        now = time.monotonic()
-        if not (self._failed["store"] or self._failed["load"] or self._removals) or (
-            not force and now < self._next_report
-        ):
+        jobs, blocks = self._jobs, self._blocks
+        if not (jobs["store"] or jobs["load"] or self._removals):
             return None
-        self._next_report = now + FAILURE_REPORT_INTERVAL_S
+        if not self._throttle.due(force):
+            return None
         integrity = (
-            f"; {self._integrity} block(s) failed the integrity check (damaged "
+            f" ({self._integrity} of them failed the integrity check: damaged "
             "or planted files)"
             if self._integrity
             else ""
@@ -88,70 +101,111 @@ class _FailureReport:
         )
         line = (
             (
-                "%s: %d store job(s) and %d load job(s) failed since the previous "
-                "report (the blocks of failed stores are not stored, those that "
-                "failed to load are recomputed)%s%s; last error: %s"
+                "%s: %d store job(s) and %d load job(s) failed since the "
+                "previous report: %d block(s) not stored, %d not loaded%s "
+                "(they are recomputed)%s. Last error: %s"
             ),
             self._label,
-            self._failed["store"],
-            self._failed["load"],
+            jobs["store"],
+            jobs["load"],
+            blocks["store"],
+            blocks["load"],
             integrity,
             removals,
             self._last_error,
         )
-        self._failed = {"store": 0, "load": 0}
-        self._integrity = 0
-        self._removals = 0
+        self._jobs = {"store": 0, "load": 0}
+        self._blocks = {"store": 0, "load": 0}
+        self._integrity = self._removals = 0
         return line
 
 
-class JobState:
-    """Thread-safe completion tracker for a set of per-block I/O tasks.
+class FinishedJob(NamedTuple):
+    """A job whose every task has run, as get_finished() hands it back."""
 
-    Each task calls task_done(success) when it finishes.
-    """
+    job_id: JobId
+    # what the tier enqueued the job with (its own record of the job)
+    record: Any
+    # per task, in submission order: its return value, or the exception it
+    # raised (without its traceback, which would pin the I/O buffers)
+    outcomes: list[Any]
+    # seconds the job's tasks ran, summed
+    transfer_time: float
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the tasks that raised."""
+        return [i for i, o in enumerate(self.outcomes) if isinstance(o, Exception)]
+
+
+class JobState:
+    """Thread-safe completion tracker for a job's I/O tasks: each task calls
+    task_done() with its outcome when it finishes."""
 
     __slots__ = (
-        "_job_id",
-        "_n_tasks",
-        "_completed",
-        "_success",
+        "job_id",
+        "kind",
+        "record",
+        "blocks",
+        "_outcomes",
+        "_pending",
         "_transfer_time",
         "_lock",
-        "kind",
     )
 
-    def __init__(self, job_id: JobId, n_tasks: int, kind: str) -> None:
-        self._job_id: JobId = job_id
+    def __init__(
+        self, job_id: JobId, n_tasks: int, kind: str, record: Any, blocks: int
+    ) -> None:
+        self.job_id = job_id
         self.kind = kind  # "load" or "store"
-        self._n_tasks = n_tasks
-        self._completed = 0
-        self._success = True
+        self.record = record
+        self.blocks = blocks
+        self._outcomes: list[Any] = [None] * n_tasks
+        self._pending = n_tasks
         self._transfer_time = 0.0
         self._lock = threading.Lock()
 
-    @property
-    def job_id(self) -> JobId:
-        return self._job_id
-
     def task_done(
-        self, success: bool, transfer_time: float
-    ) -> tuple[bool, bool, float]:
-        """Returns if job completed and success flag."""
+        self, task_idx: int, outcome: Any, transfer_time: float
+    ) -> FinishedJob | None:
+        """Record a task's outcome; the finished job once it was the last."""
         with self._lock:
-            self._completed += 1
+            self._outcomes[task_idx] = outcome
             self._transfer_time += transfer_time
-            if not success:
-                self._success = False
-            return self._completed == self._n_tasks, self._success, self._transfer_time
+            self._pending -= 1
+            if self._pending:
+                return None
+            return FinishedJob(
+                self.job_id, self.record, self._outcomes, self._transfer_time
+            )
+
+
+def _failed_blocks(job: FinishedJob, blocks: int) -> tuple[int, int, str | None]:
+    """The blocks of *job* not stored or loaded (those its failed tasks name
+    in ``failed_indices``, else all of a failed task's), those that failed
+    an integrity check, and the first error. A budget refusal is not a
+    failure: the budget reports it."""
+    per_task = blocks / max(1, len(job.outcomes))
+    failed = integrity = 0.0
+    error = None
+    for outcome in job.outcomes:
+        if not isinstance(outcome, Exception) or isinstance(outcome, BudgetRejection):
+            continue
+        indices = getattr(outcome, "failed_indices", None)
+        failed += per_task if indices is None else len(indices)
+        integrity += len(getattr(outcome, "integrity_failed", ())) or (
+            per_task if isinstance(outcome, BlockIntegrityError) else 0
+        )
+        error = error or str(outcome)
+    return round(failed), round(integrity), error
 
 
 class DualQueueThreadPool:
     """Thread pool with two task queues (load and store) and two thread groups.
 
     Load-priority threads drain the load queue first, then fall back to the
-    store queue.  Store-priority threads do the reverse.  Both queues share
-    a single condition variable.
+    store queue.  Store-priority threads do the reverse.  Both queues, the
+    finished queue and the in-flight count share a single condition variable.
     """
 
     def __init__(
@@ -166,9 +220,9 @@ class DualQueueThreadPool:
         self._condition = threading.Condition(threading.Lock())
         self._stop = False
         self._threads: list[threading.Thread] = []
-        self._finished_q: deque[tuple[JobId, bool, float]] = deque()
+        self._finished_q: deque[FinishedJob] = deque()
         self._inflight_jobs = 0  # guarded by _condition
-        self._failures = _FailureReport(label)
+        self._failures = FailureReport(label)
 
         for i in range(n_read_threads):
             t = threading.Thread(
@@ -195,36 +249,57 @@ class DualQueueThreadPool:
         job_id: JobId,
         n_tasks: int,
         tasks: Iterable[Callable],
+        record: Any = None,
+        blocks: int | None = None,
     ) -> None:
-        """Enqueue load tasks for a job (high-priority for load-priority threads)."""
-        state = JobState(job_id, n_tasks, "load")
-        with self._condition:
-            self._inflight_jobs += 1
-            for fn in tasks:
-                self._load_q.append((fn, state))
-            self._condition.notify(n_tasks)
+        """Enqueue load tasks for a job (high-priority for load-priority
+        threads); *record* comes back with the finished job, and *blocks*
+        (default: one a task) counts its blocks in failure reports."""
+        self._enqueue("load", job_id, n_tasks, tasks, record, blocks)
 
     def enqueue_store(
         self,
         job_id: JobId,
         n_tasks: int,
         tasks: Iterable[Callable],
+        record: Any = None,
+        blocks: int | None = None,
     ) -> None:
-        """Enqueue store tasks for a job (high-priority for store-priority threads)."""
-        state = JobState(job_id, n_tasks, "store")
+        """Enqueue store tasks for a job (high-priority for store-priority
+        threads); see enqueue_load()."""
+        self._enqueue("store", job_id, n_tasks, tasks, record, blocks)
+
+    def _enqueue(
+        self,
+        kind: str,
+        job_id: JobId,
+        n_tasks: int,
+        tasks: Iterable[Callable],
+        record: Any,
+        blocks: int | None,
+    ) -> None:
+        task_list = list(tasks)
+        if len(task_list) != n_tasks:
+            raise ValueError(f"job {job_id}: {len(task_list)} tasks, not {n_tasks}")
+        queue = self._load_q if kind == "load" else self._store_q
+        state = JobState(
+            job_id, n_tasks, kind, record, n_tasks if blocks is None else blocks
+        )
         with self._condition:
+            if n_tasks == 0:  # nothing to wait for: the job is done
+                self._finished_q.append(FinishedJob(job_id, record, [], 0.0))
+                return
             self._inflight_jobs += 1
-            for fn in tasks:
-                self._store_q.append((fn, state))
+            for task_idx, fn in enumerate(task_list):
+                queue.append((fn, state, task_idx))
             self._condition.notify(n_tasks)
 
-    def get_finished(self) -> list[tuple[JobId, bool, float]]:
-        # No lock needed: deque is thread-safe for concurrent append/popleft,
-        # and the manager is the sole popper.
+    def get_finished(self) -> list[FinishedJob]:
+        """The jobs finished since the previous call."""
         self._failures.flush()
-        jobs = []
-        while self._finished_q:
-            jobs.append(self._finished_q.popleft())
+        with self._condition:
+            jobs = list(self._finished_q)
+            self._finished_q.clear()
         return jobs
 
     def record_removal_errors(self, failed: int, error: str) -> None:
@@ -268,24 +343,31 @@ class DualQueueThreadPool:
                     return
                 primary = self._load_q if load_priority else self._store_q
                 secondary = self._store_q if load_priority else self._load_q
-                task, state = primary.popleft() if primary else secondary.popleft()
-            try:
-                start_time = time.monotonic()
-                task()
-                transfer_time = time.monotonic() - start_time
-                job_finished, success, total_time = state.task_done(True, transfer_time)
-            except Exception as exc:
-                transfer_time = time.monotonic() - start_time
-                logger.debug("Job %s block I/O failed: %s", state.job_id, exc)
-                if not isinstance(exc, BudgetRejection):
-                    # a refusal is reported by the budget, not as failed I/O
-                    self._failures.record(state.kind, exc)
-                job_finished, success, total_time = state.task_done(
-                    False, transfer_time
+                task, state, task_idx = (
+                    primary.popleft() if primary else secondary.popleft()
                 )
+            self._run(task, state, task_idx)
+            del task, state  # an idle worker pins no job
 
-            if job_finished:
-                with self._condition:
-                    self._finished_q.append((state.job_id, success, total_time))
-                    self._inflight_jobs -= 1
-                    self._condition.notify_all()
+    def _run(self, task: Callable, state: JobState, task_idx: int) -> None:
+        """Run a task and record its outcome; the job's last task hands the
+        job back, whatever its report raises."""
+        start_time = time.monotonic()
+        try:
+            outcome = task()
+        except Exception as exc:
+            logger.debug("Job %s block I/O failed: %s", state.job_id, exc)
+            outcome = exc.with_traceback(None)
+            outcome.__context__ = outcome.__cause__ = None
+        job = state.task_done(task_idx, outcome, time.monotonic() - start_time)
+        if job is None:
+            return
+        try:
+            failed, integrity, error = _failed_blocks(job, state.blocks)
+            if failed:
+                self._failures.record(state.kind, failed, error or "", integrity)
+        finally:
+            with self._condition:
+                self._finished_q.append(job)
+                self._inflight_jobs -= 1
+                self._condition.notify_all()
