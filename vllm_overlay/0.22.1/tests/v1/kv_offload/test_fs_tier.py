@@ -299,8 +299,8 @@ def test_unaligned_rows_fall_back_to_buffered_io(tmp_path, caplog):
         tier.shutdown()
     (message,) = _io_mode_messages(caplog)
     assert message.startswith(
-        f"fs_python tier at {tmp_path}: using buffered I/O for 1280-byte blocks "
-        "because the primary tier's rows (1280 bytes at address"
+        f"'fs_python' KV offload tier at {tmp_path}: using buffered I/O for "
+        "1280-byte blocks because the primary tier's rows (1280 bytes at address"
     )
 
 
@@ -340,7 +340,7 @@ def test_aligned_rows_use_o_direct_where_supported(tmp_path, caplog):
     finally:
         tier.shutdown()
     (message,) = _io_mode_messages(caplog)
-    prefix = f"fs_python tier at {tmp_path / 'fs'}: using "
+    prefix = f"'fs_python' KV offload tier at {tmp_path / 'fs'}: using "
     if _o_direct_works(str(tmp_path)):
         assert message == prefix + f"O_DIRECT I/O for {mmap.PAGESIZE}-byte blocks"
     else:
@@ -447,7 +447,7 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
         assert len(reports()) == 2
         store_jobs(4, 1)  # within the new interval: left for shutdown
         tier.shutdown()
-    prefix = f"fs_python tier at {tmp_path}: "
+    prefix = f"'fs_python' KV offload tier at {tmp_path}: "
     error = "[Errno 28] No space left on device"
     assert reports() == [
         prefix + f"{j} store job(s) and 0 load job(s) failed since the previous "
@@ -1297,10 +1297,10 @@ def test_checksum_in_an_xattr_else_in_a_trailer(tmp_path, caplog, block_bytes, r
                 assert os.path.getsize(path) == block_bytes + trailer
                 (line,) = trailers
                 assert line == (
-                    f"fs_python tier at {root}: keeping each block's checksum "
-                    "in a trailer after the block because user extended "
-                    "attributes are not supported here ([Errno 95] Operation "
-                    "not supported)"
+                    f"'fs_python' KV offload tier at {root}: keeping each "
+                    "block's checksum in a trailer after the block because "
+                    "user extended attributes are not supported here ([Errno "
+                    "95] Operation not supported)"
                 )
             tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
             assert [r.success for r in _finish(tier)] == [True]

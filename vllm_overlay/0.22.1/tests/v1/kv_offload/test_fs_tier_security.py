@@ -173,7 +173,10 @@ def test_wider_modes_found_at_start_are_reported_once(tmp_path, caplog):
             tier.shutdown()
     lines = [r.getMessage() for r in caplog.records if "wider modes" in r.getMessage()]
     assert len(lines) == 1, "wider modes were not reported (once)"
-    assert f"fs_python tier at {tmp_path}: 2 file(s) and directories" in lines[0]
+    assert (
+        f"'fs_python' KV offload tier at {tmp_path}: 2 file(s) and directories"
+        in lines[0]
+    )
     assert os.path.dirname(block) in lines[0]
     assert f"chmod -R go-rwx {tmp_path}" in lines[0]
 

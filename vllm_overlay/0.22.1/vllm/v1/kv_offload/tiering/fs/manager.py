@@ -318,6 +318,7 @@ class FileSystemTierManager(SecondaryTierManager):
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
         root_dir = check_root_dir(root_dir, tier_type, group_access)
+        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         tier_key = (
             load_key_file(key_file, tier_type, group_access)
             if key_file is not None
@@ -359,7 +360,7 @@ class FileSystemTierManager(SecondaryTierManager):
             n_read_threads,
             n_write_threads,
             thread_name_prefix="vllm_kv_py_fs",
-            label=f"{tier_type} tier at {root_dir}",
+            label=self._label,
         )
 
         self._start_tmp_cleanup(root_dir, cleanup_stale_tmp_after_seconds)
@@ -367,7 +368,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        label = f"fs_python tier at {root_dir}"
+        label = self._label
         budgeted = self._max_bytes is not None
         fields = self.file_mapper.fields
         report_other_layouts(
@@ -447,9 +448,9 @@ class FileSystemTierManager(SecondaryTierManager):
         auto_off = checksum == "auto" and tier_key is None
         if xattr_reason is not None and not auto_off:
             logger.info(
-                "fs_python tier at %s: keeping each block's checksum in a "
+                "%s: keeping each block's checksum in a "
                 "trailer after the block because %s",
-                root_dir,
+                self._label,
                 xattr_reason,
             )
         in_xattr = xattr_reason is None
@@ -457,12 +458,12 @@ class FileSystemTierManager(SecondaryTierManager):
             # a trailer page per file (+25% for 16 KiB group files) and every
             # block on the Python path: not a default's price
             logger.warning(
-                "fs_python tier at %s: blocks are not checked for damage: "
+                "%s: blocks are not checked for damage: "
                 "checksum 'auto' keeps its checksum in a user extended "
                 "attribute, and %s. Set the tier's 'checksum' to 'crc32c' "
                 "(or 'xxh3_64', 'crc32') to keep it in a trailer page after "
                 "each block instead",
-                root_dir,
+                self._label,
                 xattr_reason,
             )
             checksum = "none"
@@ -491,18 +492,17 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         if transient:
             reason = f"{reason}; probing again in {REPROBE_INTERVAL_S:.0f} s"
-        logger.info("fs_python tier at %s: %s", root_dir, io_calls_in_use())
+        logger.info("%s: %s", self._label, io_calls_in_use())
         if self._direct_io:
             logger.info(
-                "fs_python tier at %s: using O_DIRECT I/O for %d-byte blocks",
-                root_dir,
+                "%s: using O_DIRECT I/O for %d-byte blocks",
+                self._label,
                 self._block_size,
             )
         else:
             logger.info(
-                "fs_python tier at %s: using buffered I/O for %d-byte blocks "
-                "because %s",
-                root_dir,
+                "%s: using buffered I/O for %d-byte blocks because %s",
+                self._label,
                 self._block_size,
                 reason,
             )
@@ -517,7 +517,7 @@ class FileSystemTierManager(SecondaryTierManager):
         block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
         self._tmp_cleanup = _start_thread(
             scan_and_report,
-            f"fs_python tier at {root_dir}",
+            self._label,
             (os.path.dirname(self.file_mapper.get_config_file_path()), block_dir),
             max_age_s,
             self._modes,
@@ -543,7 +543,7 @@ class FileSystemTierManager(SecondaryTierManager):
             f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
             self.file_mapper.get_file_name,
             lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
-            f"{self.tier_type} tier at {root_dir}",
+            self._label,
             chunk_tokens=dict(enumerate(offloading_spec.offloaded_block_size)),
             prefix_groups=[
                 i
@@ -558,10 +558,10 @@ class FileSystemTierManager(SecondaryTierManager):
             on_removal_errors=self._pool.record_removal_errors,
         )
         logger.info(
-            "fs_python tier at %s: max_bytes=%d (%d chunks of one file "
+            "%s: max_bytes=%d (%d chunks of one file "
             "per group, of %s bytes); indexing the files of earlier runs "
             "in the background",
-            root_dir,
+            self._label,
             self._max_bytes,
             self._max_bytes // sum(self._file_sizes),
             self._file_sizes,
@@ -571,10 +571,10 @@ class FileSystemTierManager(SecondaryTierManager):
             free = st.f_bavail * st.f_frsize
             if self._max_bytes > free:
                 logger.warning(
-                    "fs_python tier at %s: max_bytes=%d is more than the "
+                    "%s: max_bytes=%d is more than the "
                     "free space of its filesystem (%d bytes): stores will "
                     "fail once the disk is full",
-                    root_dir,
+                    self._label,
                     self._max_bytes,
                     free,
                 )
@@ -602,9 +602,8 @@ class FileSystemTierManager(SecondaryTierManager):
                 rewritten = self._write_config()
             if rewritten:
                 logger.warning(
-                    "fs_python tier at %s: %s was missing (was the directory "
-                    "removed?); re-created it",
-                    self._root_dir,
+                    "%s: %s was missing (was the directory removed?); re-created it",
+                    self._label,
                     self.file_mapper.get_config_file_path(),
                 )
         except OSError as e:
@@ -614,10 +613,10 @@ class FileSystemTierManager(SecondaryTierManager):
                     return
                 failures, self._config_failures = self._config_failures, 0
             logger.warning(
-                "fs_python tier at %s: could not re-create %s (%d failed "
+                "%s: could not re-create %s (%d failed "
                 "attempt(s) since the last warning; its blocks are stored "
                 "without it): %s",
-                self._root_dir,
+                self._label,
                 self.file_mapper.get_config_file_path(),
                 failures,
                 e,
@@ -656,17 +655,17 @@ class FileSystemTierManager(SecondaryTierManager):
         if reason is None:
             self._direct_io = True
             logger.info(
-                "fs_python tier at %s: the O_DIRECT probe succeeded this time; "
+                "%s: the O_DIRECT probe succeeded this time; "
                 "using O_DIRECT I/O for %d-byte blocks",
-                self._root_dir,
+                self._label,
                 self._block_size,
             )
         elif transient:
             self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
         else:
             logger.info(
-                "fs_python tier at %s: keeping buffered I/O because %s",
-                self._root_dir,
+                "%s: keeping buffered I/O because %s",
+                self._label,
                 reason,
             )
 
