@@ -368,15 +368,12 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        label = self._label
-        budgeted = self._max_bytes is not None
-        fields = self.file_mapper.fields
+        mapper, budgeted = self.file_mapper, self._max_bytes is not None
         report_other_layouts(
-            label, root_dir, self.file_mapper.base_path, fields, budgeted
+            self._label, root_dir, mapper.base_path, mapper.fields, budgeted
         )
-        self._marker = LayoutMark(
-            os.path.dirname(self.file_mapper.get_config_file_path()), label
-        )
+        layout_dir = os.path.dirname(mapper.get_config_file_path())
+        self._marker = LayoutMark(layout_dir, self._label)
 
     def _map_files(
         self,
