@@ -450,9 +450,9 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
     prefix = f"'fs_python' KV offload tier at {tmp_path}: "
     error = "[Errno 28] No space left on device"
     assert reports() == [
-        prefix + f"{j} store job(s) and 0 load job(s) failed since the previous "
-        f"report: {n} block(s) not stored, 0 not loaded (they are recomputed). "
-        f"Last error: {error}"
+        prefix + f"{j} store job(s) and 0 load job(s) failed: {n} block(s) not "
+        "stored, 0 not loaded and recomputed since the previous report. Last "
+        f"error: {error}"
         for n, j in [(2, 1), (6, 3), (2, 1)]
     ]
 

@@ -1756,7 +1756,7 @@ def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, ca
         # the I/O failure line counts the failed write only
         assert len(errors) == 1, errors
         assert "1 store job(s) and 0 load job(s) failed" in errors[0]
-        assert "1 block(s) not stored, 0 not loaded" in errors[0]
+        assert "1 block(s) not stored, 0 not loaded and recomputed" in errors[0]
         assert "no room in max_bytes" not in errors[0]
     finally:
         tier.shutdown()

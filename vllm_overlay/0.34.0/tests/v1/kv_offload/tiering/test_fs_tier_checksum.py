@@ -126,7 +126,7 @@ def test_a_changed_block_or_one_without_a_crc_is_a_miss(tmp_path, caplog_vllm, i
         assert lookup_again(tier, keys[2]) is LookupResult.HIT
         (line,) = _failure_lines(caplog_vllm)
         assert "0 store job(s) and 1 load job(s) failed" in line
-        assert "2 not loaded (2 of them failed the integrity check" in line
+        assert "2 not loaded and recomputed (2 of them failed the integrity" in line
         assert "CRC32C mismatch, or none recorded" in line
         assert checksum_failures(tier) == 2
         assert checksum_failures(tier) == 0  # a delta per report

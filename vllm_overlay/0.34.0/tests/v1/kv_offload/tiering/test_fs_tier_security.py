@@ -523,7 +523,7 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog_vllm, io_path, keye
         assert lookup_again(tier, prefix) is LookupResult.MISS
         (line,) = _failure_lines(caplog_vllm)
         assert "0 store job(s) and 1 load job(s) failed" in line
-        assert "1 not loaded (1 of them failed the integrity check: damaged or " in line
+        assert "1 not loaded and recomputed (1 of them failed the integrity " in line
         assert "hmac-sha256 MAC mismatch: not written with the tier's key" in line
     finally:
         tier.shutdown()

@@ -32,8 +32,9 @@ class FailureReport:
     """Rate-limited, thread-safe report of failed block I/O.
 
     The first failure is logged at once; later ones at most once per
-    REPORT_INTERVAL_S (report.Throttle), each line with the block writes
-    and reads that failed since the previous line and the last error.
+    REPORT_INTERVAL_S (report.Throttle), each line with the store and load
+    jobs that failed since the previous line, their blocks not stored or
+    loaded, the evicted files that could not be removed, and the last error.
     Counts not reported yet are logged by flush() (polled from the
     scheduler) once the interval has passed, and at shutdown (force).
     """
@@ -87,31 +88,28 @@ class FailureReport:
             return None
         if not self._throttle.due(force):
             return None
-        integrity = (
-            f" ({self._integrity} of them failed the integrity check: damaged "
-            "or planted files)"
-            if self._integrity
-            else ""
-        )
-        removals = (
-            f"; {self._removals} evicted block file(s) could not be removed "
-            "(they take disk space beyond max_bytes)"
-            if self._removals
-            else ""
-        )
+        parts = []
+        if jobs["store"] or jobs["load"]:
+            integrity = (
+                f" ({self._integrity} of them failed the integrity check: "
+                "damaged or planted files)"
+                if self._integrity
+                else ""
+            )
+            parts.append(
+                f"{jobs['store']} store job(s) and {jobs['load']} load job(s) "
+                f"failed: {blocks['store']} block(s) not stored, "
+                f"{blocks['load']} not loaded and recomputed{integrity}"
+            )
+        if self._removals:
+            parts.append(
+                f"{self._removals} evicted block file(s) could not be removed "
+                "(they take disk space beyond max_bytes)"
+            )
         line = (
-            (
-                "%s: %d store job(s) and %d load job(s) failed since the "
-                "previous report: %d block(s) not stored, %d not loaded%s "
-                "(they are recomputed)%s. Last error: %s"
-            ),
+            "%s: %s since the previous report. Last error: %s",
             self._label,
-            jobs["store"],
-            jobs["load"],
-            blocks["store"],
-            blocks["load"],
-            integrity,
-            removals,
+            "; ".join(parts),
             self._last_error,
         )
         self._jobs = {"store": 0, "load": 0}
@@ -350,8 +348,8 @@ class DualQueueThreadPool:
             del task, state  # an idle worker pins no job
 
     def _run(self, task: Callable, state: JobState, task_idx: int) -> None:
-        """Run a task and record its outcome; the job's last task hands the
-        job back, whatever its report raises."""
+        """Run a task and record its outcome; the job's last task reports
+        its failures and hands the job back."""
         start_time = time.monotonic()
         try:
             outcome = task()
@@ -366,8 +364,9 @@ class DualQueueThreadPool:
             failed, integrity, error = _failed_blocks(job, state.blocks)
             if failed:
                 self._failures.record(state.kind, failed, error or "", integrity)
-        finally:
-            with self._condition:
-                self._finished_q.append(job)
-                self._inflight_jobs -= 1
-                self._condition.notify_all()
+        except Exception:  # a report must not cost the pool a thread
+            logger.exception("Job %s: its failure report failed", state.job_id)
+        with self._condition:
+            self._finished_q.append(job)
+            self._inflight_jobs -= 1
+            self._condition.notify_all()

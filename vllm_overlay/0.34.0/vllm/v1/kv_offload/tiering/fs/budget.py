@@ -111,8 +111,6 @@ MAX_RECALLED_REQUESTS = 1 << 16
 MAX_EVENTS = 65536
 # The budget thread's period: events applied, eviction ahead, file times.
 BUDGET_INTERVAL_S = 0.05
-# The budget's report and the rejection warning: at most one line each per
-# report.REPORT_INTERVAL_S, and only when something changed.
 # Chunks of earlier runs indexed per lock hold at start (a few ms), and the
 # pause after each, so the scheduler thread's posts are applied meanwhile.
 SCAN_BATCH = 1024

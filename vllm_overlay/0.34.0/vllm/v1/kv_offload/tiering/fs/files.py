@@ -124,7 +124,8 @@ def scan_tier_files(
 ) -> TierScan:
     """Walk the tier's *directories* once at start-up:
 
-    - remove this module's temp files last modified more than *max_tmp_age_s*
+    - remove the tier's temp files (_TMP_NAME_RE) last modified more than
+      *max_tmp_age_s*
       seconds ago (None: none): left by writers killed between writing a block
       and renaming it into place (a live writer renames within milliseconds).
       Several engines may share a directory, so age is the only evidence a

@@ -335,6 +335,7 @@ class FileSystemTierManager(SecondaryTierManager):
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
         root_dir = check_root_dir(root_dir, tier_type, group_access)
+        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         tier_key = (
             load_key_file(key_file, tier_type, group_access)
             if key_file is not None
@@ -373,7 +374,7 @@ class FileSystemTierManager(SecondaryTierManager):
             n_read_threads,
             n_write_threads,
             thread_name_prefix="vllm_kv_py_fs",
-            label=f"'{tier_type}' KV offload tier at {root_dir}",
+            label=self._label,
         )
 
         self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=self.tier_type)
@@ -384,13 +385,11 @@ class FileSystemTierManager(SecondaryTierManager):
         self._budget: FsTierBudget | None = None
         if self._max_bytes is not None:
             self._budget = self._start_budget(offloading_spec, root_dir, tier_key)
-        label = f"'{tier_type}' KV offload tier at {root_dir}"
-        fields = self.file_mapper.fields
-        budgeted = self._max_bytes is not None
+        mapper, budgeted = self.file_mapper, self._max_bytes is not None
         report_other_layouts(
-            label, root_dir, self.file_mapper.base_path, fields, budgeted
+            self._label, root_dir, mapper.base_path, mapper.fields, budgeted
         )
-        self._marker = LayoutMark(self._o_direct_dir, label)
+        self._marker = LayoutMark(self._o_direct_dir, self._label)
 
     def _kv_events(
         self, enable_kv_events: bool, offloading_spec: "OffloadingSpec"
@@ -417,7 +416,7 @@ class FileSystemTierManager(SecondaryTierManager):
         rank_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
         self._tmp_cleanup = _start_thread(
             scan_and_report,
-            f"'{self.tier_type}' KV offload tier at {root_dir}",
+            self._label,
             [rank_dir, self._o_direct_dir],
             max_age_s,
             self._modes,
@@ -527,7 +526,7 @@ class FileSystemTierManager(SecondaryTierManager):
             f"{self.file_mapper.base_path}_r{self.file_mapper.rank}",
             self.file_mapper.get_file_name,
             lambda stem, g: self.file_mapper.get_stem_file_name(stem.hex(), g),
-            f"'{self.tier_type}' KV offload tier at {root_dir}",
+            self._label,
             chunk_tokens={
                 group.group_id: group.tokens_per_block
                 * offloading_spec.blocks_per_chunk
@@ -649,6 +648,7 @@ class FileSystemTierManager(SecondaryTierManager):
                     self.tier_type,
                 )
 
+    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
