@@ -196,6 +196,11 @@ def measure(mc: ModelConfig, root: str, specs: dict, cache_kwargs: dict, bpc: in
         files = None
     else:
         files = group_files(spec, row)
+    for g, f in enumerate(files or ()):
+        # the byte runs of the row a group file gathers (the shared io.py's plan,
+        # bench/io_gather.py: a Python gather costs loads at small runs)
+        runs = [n for _, n in f.runs] if f.runs else [f.size]
+        groups[g]["runs"], groups[g]["min_run"] = len(runs), min(runs)
     disk_allocated = sum(f.size for f in files) if files else n * row
     return {
         "blocks_per_chunk": bpc,
@@ -240,7 +245,11 @@ def main() -> int:
         if "error" in r:
             say(f"{r['name']}, blocks_per_chunk {r['blocks_per_chunk']}: {r['error']}")
             continue
-        per = ", ".join(f"{x['kind']} x{x['layers']}: {fmt(x['useful'])}" for x in r["groups"])
+        per = ", ".join(
+            f"{x['kind']} x{x['layers']}: {fmt(x['useful'])}"
+            + (f" in {x['runs']} run(s) of >= {fmt(x['min_run'])}" if "runs" in x else "")
+            for x in r["groups"]
+        )
         say(
             f"{r['name']}, blocks_per_chunk {r['blocks_per_chunk']}: row {fmt(r['row'])}; "
             f"{per}; used/allocated CPU {r['cpu_today']:.2f}, disk today "
