@@ -1448,8 +1448,8 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
         # max_bytes and this engine's store job at most (a victim whose time
         # the other engine raised meanwhile is kept), then max_bytes
         assert len(block_files(root)) <= 5
-        wait_until(lambda: len(block_files(root)) <= 4)
         assert os.path.exists(path_of(make_offload_key(bytes([9]) * 32, 0)))
+        wait_until(lambda: len(block_files(root)) <= 4)
     finally:
         first.shutdown()
         second.shutdown()

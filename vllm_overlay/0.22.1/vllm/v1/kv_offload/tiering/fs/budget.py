@@ -177,6 +177,22 @@ class _Request:
         self.keys: dict[tuple[int, bytes], OffloadKey] = {}
 
 
+def warn_beyond_free_space(label: str, root_dir: str, max_bytes: int) -> None:
+    """Say at start where max_bytes is more than the root's free space:
+    stores will fail once the disk is full."""
+    with contextlib.suppress(OSError):
+        st = os.statvfs(root_dir)
+        free = st.f_bavail * st.f_frsize
+        if max_bytes > free:
+            logger.warning(
+                "%s: max_bytes=%d is more than the free space of its filesystem "
+                "(%d bytes): stores will fail once the disk is full",
+                label,
+                max_bytes,
+                free,
+            )
+
+
 def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int | None:
     """The tier's max_bytes setting: None (unbounded) or an int of at least
     min_bytes (one chunk of every KV cache group). Raises ValueError

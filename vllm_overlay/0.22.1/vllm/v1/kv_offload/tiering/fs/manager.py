@@ -89,7 +89,6 @@ File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
 """
 
-import contextlib
 import errno
 import functools
 import json
@@ -117,6 +116,7 @@ from vllm.v1.kv_offload.tiering.fs.budget import (
     BudgetRejection,
     FsTierBudget,
     validate_max_bytes,
+    warn_beyond_free_space,
 )
 from vllm.v1.kv_offload.tiering.fs.files import (
     GROUP_MODES,
@@ -563,18 +563,7 @@ class FileSystemTierManager(SecondaryTierManager):
             self._max_bytes // sum(self._file_sizes),
             self._file_sizes,
         )
-        with contextlib.suppress(OSError):
-            st = os.statvfs(root_dir)
-            free = st.f_bavail * st.f_frsize
-            if self._max_bytes > free:
-                logger.warning(
-                    "%s: max_bytes=%d is more than the "
-                    "free space of its filesystem (%d bytes): stores will "
-                    "fail once the disk is full",
-                    self._label,
-                    self._max_bytes,
-                    free,
-                )
+        warn_beyond_free_space(self._label, root_dir, self._max_bytes)
         return budget
 
     def _write_config(self) -> bool:

@@ -68,7 +68,6 @@ Budget (the tier config's "max_bytes", unbounded by default):
     mtime hourly), so that a layout nobody runs is told from a live one.
 """
 
-import contextlib
 import errno
 import functools
 import json
@@ -118,6 +117,7 @@ from vllm.v1.kv_offload.tiering.fs.budget import (
     BudgetRejection,
     FsTierBudget,
     validate_max_bytes,
+    warn_beyond_free_space,
 )
 from vllm.v1.kv_offload.tiering.fs.files import (
     GROUP_MODES,
@@ -552,19 +552,7 @@ class FileSystemTierManager(SecondaryTierManager):
             self._max_bytes // self._block_size,
             self._block_size,
         )
-        with contextlib.suppress(OSError):
-            st = os.statvfs(root_dir)
-            free = st.f_bavail * st.f_frsize
-            if self._max_bytes > free:
-                logger.warning(
-                    "'%s' KV offload tier at %s: max_bytes=%d is more than the "
-                    "free space of its filesystem (%d bytes): stores will fail "
-                    "once the disk is full",
-                    self.tier_type,
-                    root_dir,
-                    self._max_bytes,
-                    free,
-                )
+        warn_beyond_free_space(self._label, root_dir, self._max_bytes)
         return budget
 
     def _write_config(self) -> bool:
