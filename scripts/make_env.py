@@ -19,6 +19,7 @@ Usage: make_env.py [--preflight]
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -50,6 +51,12 @@ def wheelhouse() -> Path:
     d = cache_dir() / "wheelhouse"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def disk_use(d: Path) -> int:
+    """Bytes a folder holds on disk (what removing it frees), links not followed."""
+    return sum(os.lstat(os.path.join(top, n)).st_blocks * 512
+               for top, dirs, files in os.walk(d) for n in dirs + files)
 
 
 def gb(n: float) -> str:
@@ -152,10 +159,13 @@ def preflight(pin: dict, tgt: str, verbose: bool = True) -> None:
         return
     free = min(free_bytes(ROOT), free_bytes(cache_dir()))
     if free < need:
+        others = [f"{v.name} {gb(disk_use(v))}" for v in sorted(ROOT.glob(".venv*"))
+                  if v.is_dir() and v != VENV]
+        removable = f" (other tracks' venvs here: {', '.join(others)})" if others else ""
         raise UserError(
             f"not enough disk for TARGET={tgt}: {gb(free)} free, about {gb(need)} needed "
-            f"({', '.join(parts)}, plus headroom); nothing was downloaded. Free some space "
-            f"(or set VLLM_HMA_CACHE to a larger disk) and run again"
+            f"({', '.join(parts)}, plus headroom); nothing was downloaded. Free some space"
+            f"{removable} (or set VLLM_HMA_CACHE to a larger disk) and run again"
         )
     if verbose:
         say(f"disk: {gb(free)} free, about {gb(need)} needed for TARGET={tgt} "
