@@ -2,10 +2,11 @@
 """The fs tier's store and load with two versions of its I/O code, side by side: the installed
 one ("after") and one from a file ("before"), e.g. the code of the commit before a change.
 
-0.22.1 (the fs_python tier): --before is an io.py, its store_block/load_block swapped in (the
-figures patches 0036 and 0038 of patches/0.22.1 cite). 0.34.0 (run with .venv-0.34.0): --before
-is a csrc/fs_io.cpp, compiled here with g++ and its batch store/load swapped in for the
-installed fs_io_C's (the figures patch 0025 of patches/0.34.0 cites).
+--before is a csrc/fs_io.cpp, compiled here with g++ and its batch store/load swapped in for
+the installed fs_io_C's (the figures patch 0025 of patches/0.34.0 cites); both tracks carry
+the same one since the fork's patch 0064. Before that patch, --before could be the fork's
+io.py, its per-block store_block/load_block swapped in (the figures patches 0036 and 0038 of
+patches/0.22.1 cite): that needs a checkout of that time.
 
 One tier (bench/disk_bench.py's Point: 16 I/O threads, O_DIRECT, the journal committed before
 each timed store, the pages dropped before each load), the version swapped in per round;
@@ -54,7 +55,13 @@ def swapped(target, names: tuple[str, str], before) -> tuple[dict, object]:
 
 
 def python_versions(path: str) -> tuple[dict, object]:
-    """0.22.1: the manager's store_block/load_block, installed and from *path*."""
+    """0.22.1 before its patch 0064: the manager's store_block/load_block, installed and from
+    *path*."""
+    if not hasattr(fs_manager, "store_block"):
+        raise BenchError(
+            "this fork's fs tier has no per-block store_block/load_block (since its patch "
+            "0064): compare a csrc/fs_io.cpp instead"
+        )
     spec = importlib.util.spec_from_file_location("io_before", path)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)

@@ -21,6 +21,9 @@ cache: what differs between the arms is CPU and GIL time, not the disk). Rounds 
 between the arms (each a subprocess); per arm the median store and load MB/s of group bytes.
 
     .venv/bin/python bench/io_gather.py [--rounds 5] [--runs 8]
+
+Since the fork's patch 0064 carried this plan out, the fork-c arm runs only at a commit before
+it (results: bench/results/2026-12-05-vm-io-gather.md).
 """
 
 import argparse
@@ -79,6 +82,12 @@ def run_threads(work, job_list) -> float:
 
 def arm_fork_c(rows: memoryview, runs):
     from vllm import fs_io_C
+
+    if not hasattr(fs_io_C, "store_new_block"):
+        raise SystemExit(
+            "the fork's per-block fs_io_C is gone since its patch 0064 (the fork now runs the "
+            "batch-gather arm's code): run this arm at a commit before it"
+        )
 
     size = sum(n for _, n in runs[0])
     row_bytes = ROW_KIB * 1024

@@ -1,67 +1,41 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-//
-// The fs_python tier's common case in C: a new block file stored, or a
-// block file loaded, in one call that releases the GIL once. In Python
-// each of the block's syscalls (open, write, close, rename) is a GIL
-// hand-over between the tier's I/O threads, and those hand-overs, not the
-// disk, bounded the tier at small (HMA per-group) block files.
-//
-// Only the path where nothing is unusual is here; anything else (a missing
-// directory, a name already taken, a short file, a symbolic link, an error)
-// is answered with a code, and io.py takes its Python path for that block,
-// which decides and reports as before. So every decision of the tier stays
-// in one place (io.py), and this file stays small.
 
-#define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
 #include <vector>
 
-// The crc32 instruction, used where the CPU has it (checked at run time).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(FS_IO_NO_SSE42)
   #include <nmmintrin.h>
   #define FS_IO_HAVE_SSE42_DISPATCH 1
 #endif
 
-// openat2 (Linux 5.6) on the architectures whose syscall table numbers it
-// 437, as io.py's _OPENAT2_MACHINES; declared here rather than taken from
-// <linux/openat2.h>, which older build images (manylinux_2_28) lack.
-// Elsewhere HAVE_OPENAT2 is 0 and io.py never calls in.
-#if defined(__linux__) &&                                      \
-    (defined(__x86_64__) || defined(__aarch64__) ||            \
-     (defined(__powerpc64__) && defined(__LITTLE_ENDIAN__)) || \
-     defined(__s390x__) || (defined(__riscv) && __riscv_xlen == 64))
-  #define FS_IO_HAVE_OPENAT2 1
+#if defined(O_DIRECT)
+constexpr int kODirectFlag = O_DIRECT;
+#else
+constexpr int kODirectFlag = 0;
 #endif
 
 extern "C" {
 
 namespace {
 
-// Results (io.py: _C_PUBLISHED, _C_UNPUBLISHED; a negative errno: take the
-// Python path, this call left nothing behind).
-constexpr int kDone = 0;
-// store: the temp file is complete, but RENAME_NOREPLACE did not publish it
-// (the name is taken, or the file system lacks the flag): io.py decides.
-constexpr int kUnpublished = 1;
-constexpr size_t kAlign = 4096;  // O_DIRECT's buffer and length alignment
-#ifdef O_DIRECT
-constexpr int kODirect = O_DIRECT;
-#else
-constexpr int kODirect = 0;
-#endif
+// The extended attribute that holds a block file's CRC32C (the tier's
+// checksum_blocks option; upstream #57912's name), 4 bytes little-endian. It
+// is set on the temp file before the rename, so a block file appears with it.
+constexpr char kCrcXattr[] = "user.vllm.kv_crc32c";
+constexpr size_t kCrcSize = 4;
 
 // CRC32C (Castagnoli, reflected, as iSCSI and ext4): the SSE4.2 crc32
 // instruction where the CPU has it, else slicing-by-8 tables; chosen once at
@@ -176,384 +150,709 @@ __attribute__((target("sse4.2"))) inline uint32_t crc32c_sse42(
 }
 #endif
 
-// The CRC32C register after *n* more bytes at *p*.
-uint32_t crc32c_update(uint32_t crc, const void* data, size_t n) {
+inline uint32_t crc32c(const void* data, size_t size) {
   const auto* p = static_cast<const unsigned char*>(data);
 #if defined(FS_IO_HAVE_SSE42_DISPATCH)
   static const bool has_sse42 = __builtin_cpu_supports("sse4.2");
   if (has_sse42) {
-    return crc32c_sse42(crc, p, n);
+    return ~crc32c_sse42(~0u, p, size);
   }
 #endif
-  return crc32c_table(crc, p, n);
+  return ~crc32c_table(~0u, p, size);
 }
 
-// io.py's BlockChecksum("crc32c"): the CRC32C of the block's key, then of
-// its bytes, as the 8 little-endian bytes its extended attribute holds.
-constexpr size_t kDigestSize = 8;
-struct Checksum {
-  const char* xattr = nullptr;  // nullptr: no checksum
-  const char* key = nullptr;
-  size_t key_len = 0;
-  void compute(const char* data, size_t n,
-               unsigned char out[kDigestSize]) const {
-    uint32_t crc = ~crc32c_update(crc32c_update(~0u, key, key_len), data, n);
-    for (size_t i = 0; i < kDigestSize; i++) {
-      out[i] = i < 4 ? static_cast<unsigned char>(crc >> (8 * i)) : 0;
-    }
+// The CRC32C of `size` bytes at `data` as the xattr holds it.
+inline void crc32c_bytes(const void* data, size_t size,
+                         unsigned char out[kCrcSize]) {
+  const uint32_t crc = crc32c(data, size);
+  for (size_t i = 0; i < kCrcSize; i++) {
+    out[i] = static_cast<unsigned char>(crc >> (8 * i));
   }
-};
-
-struct Run {
-  Py_ssize_t offset;
-  Py_ssize_t length;
-};
-
-// This thread's page-aligned buffer for a group file gathered from (or
-// scattered to) its runs of the row: grown to the largest file, freed when
-// the thread ends.
-struct Bounce {
-  void* data = nullptr;
-  size_t size = 0;
-  ~Bounce() { free(data); }
-  char* get(size_t n) {
-    if (n > size) {
-      void* grown = nullptr;
-      if (posix_memalign(&grown, kAlign, (n + kAlign - 1) / kAlign * kAlign)) {
-        return nullptr;
-      }
-      free(data);
-      data = grown;
-      size = n;
-    }
-    return static_cast<char*>(data);
-  }
-};
-thread_local Bounce bounce;
-
-#ifdef FS_IO_HAVE_OPENAT2
-// io.py's _open_without_links(): a symbolic link at any component of the
-// path fails the open (ELOOP) instead of being followed.
-constexpr long kSysOpenat2 = 437;
-constexpr uint64_t kResolveNoSymlinks = 0x04;
-struct OpenHow {  // struct open_how
-  uint64_t flags, mode, resolve;
-};
-
-int open_without_links(const char* path, int flags, mode_t mode) {
-  OpenHow how = {};
-  how.flags = static_cast<uint64_t>(flags | O_CLOEXEC);
-  how.mode = (flags & O_CREAT) ? mode : 0;
-  how.resolve = kResolveNoSymlinks;
-  long fd = syscall(kSysOpenat2, AT_FDCWD, path, &how, sizeof(how));
-  return fd < 0 ? -errno : static_cast<int>(fd);
 }
 
-// One write, as io.py's writev: a failed or short one (-EIO) goes to io.py,
-// which writes the block again and says why if that fails too.
-int write_block(int fd, const char* data, size_t n) {
-  ssize_t written = write(fd, data, n);
-  if (written < 0) {
-    return -errno;
-  }
-  return static_cast<size_t>(written) == n ? 0 : -EIO;
-}
-
-int store(const char* tmp_path, const char* dest_path, char* row,
-          const std::vector<Run>& runs, bool in_place, size_t size, int flags,
-          mode_t mode, bool chmod, const Checksum& checksum) {
-  const char* data = row;
-  if (!in_place) {
-    char* buf = bounce.get(size);
-    if (buf == nullptr) {
-      return -ENOMEM;
-    }
-    size_t pos = 0;
-    for (const Run& r : runs) {
-      memcpy(buf + pos, row + r.offset, r.length);
-      pos += r.length;
-    }
-    memset(buf + pos, 0, size - pos);
-    data = buf;
-  }
-  int fd =
-      open_without_links(tmp_path, O_CREAT | O_EXCL | O_WRONLY | flags, mode);
-  if (fd < 0) {
-    return fd;
-  }
-  int rc = 0;
-  if (chmod && fchmod(fd, mode) != 0) {
-    rc = -errno;
-  }
-  if (rc == 0) {
-    rc = write_block(fd, data, size);
-  }
-  if (rc == 0 && checksum.xattr != nullptr) {
-    // set before the file is published: a block file appears with it
-    unsigned char value[kDigestSize];
-    checksum.compute(data, size, value);
-    if (fsetxattr(fd, checksum.xattr, value, kDigestSize, 0) != 0) {
-      rc = -errno;
-    }
-  }
-  if (close(fd) != 0 && rc == 0) {
-    rc = -errno;
-  }
-  if (rc != 0) {
-    unlink(tmp_path);
-    return rc;
-  }
-  if (renameat2(AT_FDCWD, tmp_path, AT_FDCWD, dest_path, RENAME_NOREPLACE)) {
-    rc = errno;
-    if (rc == EEXIST || rc == EINVAL || rc == ENOSYS || rc == EOPNOTSUPP) {
-      return kUnpublished;  // the name is taken, or the flag unsupported
-    }
-    unlink(tmp_path);
-    return -rc;
-  }
-  return kDone;
-}
-
-int load(const char* path, char* row, const std::vector<Run>& runs,
-         bool in_place, size_t size, int flags, const Checksum& checksum) {
-  int fd = open_without_links(path, O_RDONLY | flags, 0);
-  if (fd < 0) {
-    return fd;
-  }
-  char* dst = in_place ? row : bounce.get(size);
-  int rc = 0;
+// Creates the missing parent directories of `path` with exactly `dir_mode`
+// (mkdir, then chmod: std::filesystem::create_directories and mkdir alone
+// give 0777 & ~umask). KV blocks are users' data: the tier's directories are
+// private (0700) unless the tier shares its root with a group. Returns 0 on
+// success, or the errno of the failing step.
+inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
+  std::vector<std::filesystem::path> missing;
   struct stat st;
-  if (dst == nullptr) {
-    rc = -ENOMEM;
-  } else if (fstat(fd, &st) != 0) {
-    rc = -errno;
-  } else if (!S_ISREG(st.st_mode) || static_cast<size_t>(st.st_size) != size) {
-    rc = -EINVAL;  // not a block file: io.py's load says what it is
-  } else {
-    ssize_t got = read(fd, dst, size);
-    rc = got < 0 ? -errno : (static_cast<size_t>(got) == size ? 0 : -EIO);
-  }
-  unsigned char stored[kDigestSize], computed[kDigestSize];
-  if (rc == 0 && checksum.xattr != nullptr) {
-    // read from the fd that was read (the path may be replaced meanwhile)
-    ssize_t n = fgetxattr(fd, checksum.xattr, stored, kDigestSize);
-    rc = n == static_cast<ssize_t>(kDigestSize) ? 0 : -EBADMSG;
-  }
-  close(fd);  // a read-only fd: nothing to lose
-  if (rc == 0 && checksum.xattr != nullptr) {
-    checksum.compute(dst, size, computed);
-    if (memcmp(stored, computed, kDigestSize) != 0) {
-      rc = -EBADMSG;  // io.py reads it again, and fails it as damaged
+  for (auto dir = std::filesystem::path(path).parent_path();
+       !dir.empty() && stat(dir.c_str(), &st) != 0; dir = dir.parent_path()) {
+    missing.push_back(dir);
+    if (dir == dir.parent_path()) {
+      break;
     }
   }
-  if (rc == 0 && !in_place) {
-    size_t pos = 0;
-    for (const Run& r : runs) {
-      memcpy(row + r.offset, dst + pos, r.length);
-      pos += r.length;
-    }
-  }
-  return rc;
-}
-#else
-int store(const char*, const char*, char*, const std::vector<Run>&, bool,
-          size_t, int, mode_t, bool, const Checksum&) {
-  return -ENOSYS;
-}
-int load(const char*, char*, const std::vector<Run>&, bool, size_t, int,
-         const Checksum&) {
-  return -ENOSYS;
-}
-#endif
-
-// Where a block's bytes are in *row* (row_len bytes): with *runs* None, the
-// *size* bytes at *offset* (in_place); else the (offset from *offset*,
-// length) pairs of *runs*, whose lengths sum to at most *size*. False, with
-// an exception set, for anything outside the row (no sum that can overflow).
-bool parse_runs(PyObject* runs, Py_ssize_t offset, Py_ssize_t size,
-                Py_ssize_t row_len, std::vector<Run>& out, bool& in_place) {
-  if (offset < 0 || offset > row_len || size < 0) {
-    PyErr_SetString(PyExc_ValueError, "block outside the row buffer");
-    return false;
-  }
-  in_place = runs == Py_None;
-  if (in_place) {
-    if (size > row_len - offset) {
-      PyErr_SetString(PyExc_ValueError, "block outside the row buffer");
-      return false;
-    }
-    return true;
-  }
-  Py_ssize_t n = PySequence_Size(runs);
-  if (n < 0) {
-    return false;
-  }
-  out.reserve(n);
-  Py_ssize_t left = size;  // of the file, for the runs still to come
-  for (Py_ssize_t i = 0; i < n; i++) {
-    Py_ssize_t field[2] = {-1, -1};
-    PyObject* pair = PySequence_GetItem(runs, i);
-    for (Py_ssize_t j = 0; pair != nullptr && j < 2; j++) {
-      PyObject* item = PySequence_GetItem(pair, j);
-      if (item != nullptr) {
-        field[j] = PyLong_AsSsize_t(item);
-        Py_DECREF(item);
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (mkdir(it->c_str(), dir_mode) != 0) {
+      if (errno == EEXIST) {
+        continue;  // created by another thread or engine meanwhile
       }
+      return errno;
     }
-    Py_XDECREF(pair);
-    if (PyErr_Occurred()) {
+    if (chmod(it->c_str(), dir_mode) != 0) {
+      return errno;
+    }
+  }
+  return 0;
+}
+
+// Whether `st` (from lstat of a block's path: a symlink is seen as one, not
+// followed) is a regular file of exactly `size` bytes. Stores are atomic and
+// write exactly one block, so anything else at the path (an empty, truncated
+// or longer file, a directory) is not a stored block.
+inline bool is_complete_block(const struct stat& st, size_t size) {
+  return S_ISREG(st.st_mode) && static_cast<size_t>(st.st_size) == size;
+}
+
+// Whether the file at `path` (not followed if a link) has `value` as its
+// `name` attribute; compared in constant time (the value is a MAC).
+inline bool has_xattr_value(const char* path, const char* name,
+                            const void* value, size_t size) {
+  unsigned char stored[64];
+  if (size > sizeof(stored)) {
+    return false;
+  }
+  const ssize_t len = lgetxattr(path, name, stored, sizeof(stored));
+  if (len < 0 || static_cast<size_t>(len) != size) {
+    return false;
+  }
+  const auto* expected = static_cast<const unsigned char*>(value);
+  unsigned char diff = 0;
+  for (size_t i = 0; i < size; i++) {
+    diff |= stored[i] ^ expected[i];
+  }
+  return diff == 0;
+}
+
+// Whether the store of a block to `path` is already done: a complete block
+// is there and, with an `xattr_name`, holds this block's value (its MAC),
+// with a `crc`, this block's CRC32C: else a planted or damaged file, or one
+// restored without its xattrs, would be kept as this key's block.
+inline bool is_stored(const char* path, const struct stat& st, size_t size,
+                      const char* xattr_name, const void* xattr_value,
+                      size_t xattr_size, const unsigned char* crc) {
+  return is_complete_block(st, size) &&
+         (xattr_name == nullptr ||
+          has_xattr_value(path, xattr_name, xattr_value, xattr_size)) &&
+         (crc == nullptr || has_xattr_value(path, kCrcXattr, crc, kCrcSize));
+}
+
+// Core single-block store: src/size are raw pointer + byte count. Returns 0
+// on success, or the errno of the failing step on failure -- captured
+// before any subsequent cleanup call can overwrite it. On failure, the temp
+// file is removed. `tmp_path` is in `dest_path`'s directory: the directories
+// are created when the temp file cannot be (ENOENT). Files are created with
+// exactly `file_mode` (fchmod after open, whatever the umask), directories
+// with `dir_mode`. With an `xattr_name`, `xattr_value` is set on the temp
+// file before the rename (the block's MAC: the file appears with it); with
+// `checksum`, the block's CRC32C likewise (kCrcXattr).
+inline int _store_block(const char* tmp_path, const char* dest_path,
+                        const char* src, size_t size, bool use_o_direct,
+                        mode_t file_mode, mode_t dir_mode,
+                        const char* xattr_name, const void* xattr_value,
+                        size_t xattr_size, bool checksum) {
+  unsigned char crc_value[kCrcSize];
+  const unsigned char* crc = nullptr;
+  if (checksum) {
+    crc32c_bytes(src, size, crc_value);
+    crc = crc_value;
+  }
+  // One lstat decides both whether the block is stored and whether a
+  // directory is in the way.
+  struct stat st;
+  const bool exists = lstat(dest_path, &st) == 0;
+  if (exists && is_stored(dest_path, st, size, xattr_name, xattr_value,
+                          xattr_size, crc)) {
+    return 0;  // Already present. Anything else at the path is replaced.
+  }
+
+  // A directory in the way cannot be replaced by a file: remove it if empty,
+  // fail the store of this block if not.
+  if (exists && S_ISDIR(st.st_mode) && rmdir(dest_path) != 0) {
+    return errno;
+  }
+
+  const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
+  const int flags = O_CREAT | O_EXCL | O_WRONLY | O_TRUNC | o_direct_flag;
+  int fd = open(tmp_path, flags, file_mode);
+  if (fd < 0 && errno == ENOENT) {
+    if (const int err = ensure_parent_dirs(dest_path, dir_mode); err != 0) {
+      return err;
+    }
+    fd = open(tmp_path, flags, file_mode);
+  }
+  if (fd < 0) {
+    return errno;
+  }
+  if (fchmod(fd, file_mode) != 0) {
+    const int err = errno;
+    close(fd);
+    unlink(tmp_path);
+    return err;
+  }
+
+  const ssize_t written = write(fd, src, size);
+  if (written < 0 || static_cast<size_t>(written) != size) {
+    const int err = written < 0 ? errno : EIO;
+    close(fd);  // Best-effort cleanup; the real error is already captured.
+    unlink(tmp_path);
+    return err;
+  }
+
+  if ((xattr_name != nullptr &&
+       fsetxattr(fd, xattr_name, xattr_value, xattr_size, 0) != 0) ||
+      (crc != nullptr && fsetxattr(fd, kCrcXattr, crc, kCrcSize, 0) != 0)) {
+    const int err = errno;
+    close(fd);
+    unlink(tmp_path);
+    return err;
+  }
+
+  if (close(fd) != 0) {
+    const int err = errno;
+    unlink(tmp_path);
+    return err;
+  }
+
+  if (rename(tmp_path, dest_path) != 0) {
+    const int err = errno;
+    unlink(tmp_path);
+    // Another writer published this block after the check above; some
+    // shared filesystems fail rename(2) with EEXIST instead of replacing.
+    // A file name stands for one block, so a complete file already in place
+    // (holding this block's xattr value, if any) holds this block and the
+    // store is done.
+    if (err != EEXIST) {
+      return err;
+    }
+    struct stat now;
+    return lstat(dest_path, &now) == 0 &&
+                   is_stored(dest_path, now, size, xattr_name, xattr_value,
+                             xattr_size, crc)
+               ? 0
+               : err;
+  }
+
+  return 0;
+}
+
+// Core single-block load: dst/size are raw pointer + byte count. Returns 0
+// on success, or the errno of the failing step on failure. Removes the source
+// file ONLY if it provably holds no block: a regular file whose size is not
+// `size`, or a short read (the read completed but returned fewer bytes than
+// requested): stores are atomic and write exactly one block, so that is
+// genuine corruption. A file of the wrong size, or one that is not a regular
+// file, is rejected before anything is read into dst. Open failures and read
+// errors (bytes_read < 0) are transient/ambiguous and leave the file
+// untouched; a close failure after a full read is harmless and does not fail
+// the load. With an `xattr_name`, its value is read into `xattr` from the
+// same open file (empty if the file has none, or one too long to be ours),
+// with the file's identity, so that the caller checks what it read. With
+// `checksum`, the bytes read are checked against the file's CRC32C
+// (kCrcXattr, read from the same open file): a mismatch, or a file without
+// one, fails with EBADMSG and sets `*checksum_failed`; the file is removed
+// if its path still names the file read (another engine may have stored the
+// block anew meanwhile).
+struct FileXattr {
+  unsigned char value[64];
+  size_t len = 0;
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+
+// Removes `path` if it still names the file `read` describes: another engine
+// sharing the root may have stored the block anew since it was read.
+inline void unlink_if_same_file(const char* path, const struct stat& read) {
+  struct stat now;
+  if (lstat(path, &now) == 0 && now.st_dev == read.st_dev &&
+      now.st_ino == read.st_ino) {
+    unlink(path);
+  }
+}
+
+inline int _load_block(const char* source_path, char* dst, size_t size,
+                       bool use_o_direct, const char* xattr_name,
+                       FileXattr* xattr, bool checksum, bool* checksum_failed) {
+  const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
+  // O_NOFOLLOW: a symbolic link at a block's path (planted by whoever could
+  // write into the tree) is never read through (ELOOP, left untouched).
+  const int fd = open(source_path, O_RDONLY | O_NOFOLLOW | o_direct_flag, 0);
+  if (fd < 0) {
+    return errno;
+  }
+
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return err;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return EIO;
+  }
+  if (static_cast<size_t>(st.st_size) != size) {
+    unlink_if_same_file(source_path, st);  // fd open: its inode is not reused
+    close(fd);
+    return EIO;
+  }
+
+  const ssize_t bytes_read = read(fd, dst, size);
+  if (bytes_read < 0) {
+    // Transient read error: leave the file untouched.
+    const int err = errno;
+    close(fd);
+    return err;
+  }
+  if (static_cast<size_t>(bytes_read) < size) {
+    // Provable short read: the block is genuinely corrupt, so remove it.
+    unlink_if_same_file(source_path, st);
+    close(fd);
+    return EIO;
+  }
+
+  if (xattr_name != nullptr) {
+    const ssize_t len =
+        fgetxattr(fd, xattr_name, xattr->value, sizeof(xattr->value));
+    if (len < 0 && errno != ENODATA && errno != ERANGE) {
+      // Transient: leave the file untouched.
+      const int err = errno;
+      close(fd);
+      return err;
+    }
+    xattr->len = len < 0 ? 0 : static_cast<size_t>(len);
+    xattr->dev = st.st_dev;
+    xattr->ino = st.st_ino;
+  }
+
+  if (checksum) {
+    unsigned char stored[kCrcSize];
+    const ssize_t len = fgetxattr(fd, kCrcXattr, stored, sizeof(stored));
+    if (len < 0 && errno != ENODATA && errno != ERANGE) {
+      // Transient: leave the file untouched.
+      const int err = errno;
+      close(fd);
+      return err;
+    }
+    unsigned char computed[kCrcSize];
+    crc32c_bytes(dst, size, computed);
+    if (len != static_cast<ssize_t>(kCrcSize) ||
+        memcmp(stored, computed, kCrcSize) != 0) {
+      unlink_if_same_file(source_path, st);
+      close(fd);
+      *checksum_failed = true;
+      return EBADMSG;
+    }
+  }
+
+  // A close error after a successful full read is harmless: the data is
+  // already in the destination buffer, so the load succeeds.
+  close(fd);
+  return 0;
+}
+
+inline void _batch_lookup(const std::vector<const char*>& paths,
+                          std::vector<int>& exists_flags) {
+  for (size_t i = 0; i < paths.size(); i++) {
+    // lstat: a symbolic link is a miss (never read through, see _load_block)
+    struct stat st;
+    exists_flags[i] =
+        (lstat(paths[i], &st) == 0 && !S_ISLNK(st.st_mode)) ? 1 : 0;
+  }
+}
+
+// Helper: extract a list[str] of length n into a vector<const char*>.
+// Returns false and sets a Python exception on error.
+inline bool extract_str_list(PyObject* list, Py_ssize_t n,
+                             std::vector<const char*>& out) {
+  for (Py_ssize_t i = 0; i < n; i++) {
+    out[i] = PyUnicode_AsUTF8AndSize(PyList_GetItem(list, i), nullptr);
+    if (out[i] == nullptr) {
       return false;
     }
-    Run r = {field[0], field[1]};
-    if (r.offset < 0 || r.offset > row_len - offset || r.length < 0 ||
-        r.length > row_len - offset - r.offset || r.length > left) {
-      PyErr_SetString(PyExc_ValueError, "run outside the row buffer or file");
-      return false;
-    }
-    r.offset += offset;
-    left -= r.length;
-    out.push_back(r);
   }
   return true;
 }
 
+// Helper: extract a Py_buffer per element of a list[bytes-like] of length n.
+// On success, `out` holds n acquired buffers (caller must PyBuffer_Release
+// each). On failure, any buffers already acquired are released before
+// returning false, and a Python exception is set.
+inline bool extract_buffer_list(PyObject* list, Py_ssize_t n, int flags,
+                                std::vector<Py_buffer>& out) {
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (PyObject_GetBuffer(PyList_GetItem(list, i), &out[i], flags) != 0) {
+      for (Py_ssize_t j = 0; j < i; j++) {
+        PyBuffer_Release(&out[j]);
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+inline void release_buffer_list(std::vector<Py_buffer>& buffers) {
+  for (auto& buf : buffers) {
+    PyBuffer_Release(&buf);
+  }
+}
+
+// Helper: a new list[int] of `indices`, or nullptr (out of memory).
+inline PyObject* index_list(const std::vector<Py_ssize_t>& indices) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(indices.size()));
+  for (size_t j = 0; list != nullptr && j < indices.size(); j++) {
+    PyObject* index = PyLong_FromSsize_t(indices[j]);
+    if (index == nullptr) {
+      Py_CLEAR(list);
+    } else {
+      PyList_SetItem(list, static_cast<Py_ssize_t>(j), index);
+    }
+  }
+  if (list == nullptr) {
+    PyErr_Clear();  // the attribute is left out; the error raised is kept
+  }
+  return list;
+}
+
 }  // namespace
 
-static PyObject* store_new_block(PyObject* /*self*/, PyObject* args) {
-  PyObject *tmp_path = nullptr, *dest_path = nullptr;  // bytes (os.fsencode)
-  PyObject *row_obj, *runs_obj;
-  Py_ssize_t offset, size;
-  int direct, mode, chmod;
-  Checksum checksum;
-  Py_ssize_t key_len = 0;
-  if (!PyArg_ParseTuple(args, "O&O&OnnOpipzy#", PyUnicode_FSConverter,
-                        &tmp_path, PyUnicode_FSConverter, &dest_path, &row_obj,
-                        &offset, &size, &runs_obj, &direct, &mode, &chmod,
-                        &checksum.xattr, &checksum.key, &key_len)) {
-    return nullptr;  // the converters release what they made
+/// @brief Check file existence for a batch of paths.
+/// @param paths list[str] – absolute paths to check.
+/// @return list[bool] – True if the corresponding path exists, False otherwise.
+/// @note Releases the GIL for the entire batch. File existence via lstat(2):
+///       a symbolic link counts as missing.
+static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
+  PyObject* path_list;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &path_list)) {
+    return nullptr;
   }
-  PyObject* result = nullptr;
-  Py_buffer row;
-  std::vector<Run> runs;
-  bool in_place;
-  if (PyObject_GetBuffer(row_obj, &row, PyBUF_SIMPLE) == 0) {
-    if (parse_runs(runs_obj, offset, size, row.len, runs, in_place)) {
-      char* start = static_cast<char*>(row.buf) + (in_place ? offset : 0);
-      const char* tmp = PyBytes_AsString(tmp_path);
-      const char* dest = PyBytes_AsString(dest_path);
-      int rc;
-      checksum.key_len = static_cast<size_t>(key_len);
-      Py_BEGIN_ALLOW_THREADS;
-      rc = store(tmp, dest, start, runs, in_place, static_cast<size_t>(size),
-                 direct ? kODirect : 0, static_cast<mode_t>(mode), chmod,
-                 checksum);
-      Py_END_ALLOW_THREADS;
-      result = PyLong_FromLong(rc);
+
+  const Py_ssize_t n = PyList_Size(path_list);
+  std::vector<const char*> paths(n);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    paths[i] = PyUnicode_AsUTF8AndSize(PyList_GetItem(path_list, i), nullptr);
+    if (paths[i] == nullptr) {
+      return nullptr;
     }
-    PyBuffer_Release(&row);
   }
-  Py_DECREF(tmp_path);
-  Py_DECREF(dest_path);
+
+  std::vector<int> exists_flags(n);
+  {
+    Py_BEGIN_ALLOW_THREADS _batch_lookup(paths, exists_flags);
+    Py_END_ALLOW_THREADS
+  }
+
+  PyObject* result = PyList_New(n);
+  if (result == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyList_SetItem(result, i, PyBool_FromLong(exists_flags[i]));
+  }
   return result;
 }
 
-static PyObject* load_block(PyObject* /*self*/, PyObject* args) {
-  PyObject* path = nullptr;  // bytes (os.fsencode)
-  PyObject *row_obj, *runs_obj;
-  Py_ssize_t offset, size;
-  int direct;
-  Checksum checksum;
-  Py_ssize_t key_len = 0;
-  if (!PyArg_ParseTuple(args, "O&OnnOpzy#", PyUnicode_FSConverter, &path,
-                        &row_obj, &offset, &size, &runs_obj, &direct,
-                        &checksum.xattr, &checksum.key, &key_len)) {
+/// @brief Store a batch of blocks, each from its own buffer, to disk.
+/// @param tmp_paths    list[str] – one temp path per block, in its
+///                     block's directory.
+/// @param dest_paths   list[str] – one destination path per block.
+/// @param buffers      list[bytes-like] – one source buffer per block.
+/// @param use_o_direct bool – whether to open files with O_DIRECT
+///                     (default True). Ignored where O_DIRECT is unsupported
+///                     by the platform.
+/// @param file_mode    int – the mode of the block files (default 0o600).
+/// @param dir_mode     int – the mode of the directories created (default
+///                     0o700). Both set exactly, whatever the umask.
+/// @param xattr_name   str | None – an extended attribute to set on each
+///                     block file before its rename (default None: none).
+/// @param xattr_values list[bytes-like] – its value per block.
+/// @param checksum     bool – set each block's CRC32C as kCrcXattr on its
+///                     temp file before the rename (default False: none).
+/// @note Releases the GIL for the entire batch. A failed block does not stop
+///       the batch; if any failed, raises the first error.
+static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
+  PyObject* tmp_paths_obj = nullptr;
+  PyObject* dest_paths_obj = nullptr;
+  PyObject* buffers_obj = nullptr;
+  int use_o_direct = 1;
+  unsigned int file_mode = 0600;
+  unsigned int dir_mode = 0700;
+  const char* xattr_name = nullptr;
+  PyObject* xattr_values_obj = nullptr;
+  int checksum = 0;
+
+  if (!PyArg_ParseTuple(args,
+                        "O!O!O!|pII"
+                        "zO!p",
+                        &PyList_Type, &tmp_paths_obj, &PyList_Type,
+                        &dest_paths_obj, &PyList_Type, &buffers_obj,
+                        &use_o_direct, &file_mode, &dir_mode, &xattr_name,
+                        &PyList_Type, &xattr_values_obj, &checksum)) {
     return nullptr;
   }
-  PyObject* result = nullptr;
-  Py_buffer row;
-  std::vector<Run> runs;
-  bool in_place;
-  if (PyObject_GetBuffer(row_obj, &row, PyBUF_WRITABLE) == 0) {
-    if (parse_runs(runs_obj, offset, size, row.len, runs, in_place)) {
-      char* start = static_cast<char*>(row.buf) + (in_place ? offset : 0);
-      const char* source = PyBytes_AsString(path);
-      int rc;
-      checksum.key_len = static_cast<size_t>(key_len);
-      Py_BEGIN_ALLOW_THREADS;
-      rc = load(source, start, runs, in_place, static_cast<size_t>(size),
-                direct ? kODirect : 0, checksum);
-      Py_END_ALLOW_THREADS;
-      result = PyLong_FromLong(rc);
-    }
-    PyBuffer_Release(&row);
+
+  const Py_ssize_t n = PyList_Size(tmp_paths_obj);
+  if (PyList_Size(dest_paths_obj) != n || PyList_Size(buffers_obj) != n) {
+    PyErr_SetString(
+        PyExc_ValueError,
+        "tmp_paths, dest_paths and buffers must have the same length");
+    return nullptr;
   }
-  Py_DECREF(path);
-  return result;
+  if (xattr_name != nullptr &&
+      (xattr_values_obj == nullptr || PyList_Size(xattr_values_obj) != n)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "xattr_values must give a value for each block");
+    return nullptr;
+  }
+
+  std::vector<const char*> tmp_paths(n);
+  std::vector<const char*> dest_paths(n);
+
+  if (!extract_str_list(tmp_paths_obj, n, tmp_paths)) return nullptr;
+  if (!extract_str_list(dest_paths_obj, n, dest_paths)) return nullptr;
+
+  std::vector<Py_buffer> buffers(n);
+  if (!extract_buffer_list(buffers_obj, n, PyBUF_SIMPLE, buffers)) {
+    return nullptr;
+  }
+  std::vector<Py_buffer> xattr_values(xattr_name != nullptr ? n : 0);
+  if (xattr_name != nullptr &&
+      !extract_buffer_list(xattr_values_obj, n, PyBUF_SIMPLE, xattr_values)) {
+    release_buffer_list(buffers);
+    return nullptr;
+  }
+
+  // A failed block does not stop the batch: the others are still stored.
+  Py_ssize_t failed_index = -1;
+  int failure_errno = 0;
+
+  {
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+      const char* buf = static_cast<const char*>(buffers[i].buf);
+      const Py_buffer* xattr =
+          xattr_name != nullptr ? &xattr_values[i] : nullptr;
+      const int err = _store_block(
+          tmp_paths[i], dest_paths[i], buf, static_cast<size_t>(buffers[i].len),
+          use_o_direct, static_cast<mode_t>(file_mode),
+          static_cast<mode_t>(dir_mode), xattr_name,
+          xattr != nullptr ? xattr->buf : nullptr,
+          xattr != nullptr ? static_cast<size_t>(xattr->len) : 0, checksum);
+      if (err != 0 && failed_index < 0) {
+        failed_index = i;
+        failure_errno = err;
+      }
+    }
+    Py_END_ALLOW_THREADS
+  }
+
+  release_buffer_list(buffers);
+  release_buffer_list(xattr_values);
+
+  if (failed_index >= 0) {
+    // PyErr_SetFromErrnoWithFilename() reads the errno to format exception.
+    errno = failure_errno;
+    return PyErr_SetFromErrnoWithFilename(PyExc_OSError,
+                                          dest_paths[failed_index]);
+  }
+
+  Py_RETURN_NONE;
 }
 
-static PyObject* crc32c(PyObject* /*self*/, PyObject* args) {
-  Checksum checksum;
-  Py_ssize_t key_len = 0;
-  Py_buffer data;
-  if (!PyArg_ParseTuple(args, "y#y*", &checksum.key, &key_len, &data)) {
+/// @brief Load a batch of blocks from disk, each into its own buffer.
+/// @param source_paths list[str] – one source path per block.
+/// @param buffers      list[writable bytes-like] – one destination buffer
+///                     per block.
+/// @param use_o_direct bool – whether to open files with O_DIRECT
+///                     (default True). Ignored where O_DIRECT is unsupported
+///                     by the platform.
+/// @param xattr_name   str | None – an extended attribute to read from each
+///                     block file, through the fd the block was read from
+///                     (default None: none).
+/// @param checksum     bool – check each block read against its file's
+///                     CRC32C (kCrcXattr); a mismatch or none fails the
+///                     block with EBADMSG and removes the file (default
+///                     False: no check).
+/// @return None, or with an `xattr_name`, list[tuple[bytes, int, int] |
+///         None]: per block, the attribute's value (b"" if none) and the
+///         file's st_dev and st_ino; None for a failed block.
+/// @note Releases the GIL for the entire batch. A failed block does not stop
+///       the batch; if any failed, raises the first error with
+///       `failed_indices`, the indices of all failed blocks, with an
+///       `xattr_name`, `xattr_reads`, the list returned otherwise, and with
+///       `checksum`, `integrity_failed`, the indices of the blocks that
+///       failed their CRC32C.
+static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
+  PyObject* source_paths_obj = nullptr;
+  PyObject* buffers_obj = nullptr;
+  int use_o_direct = 1;
+  const char* xattr_name = nullptr;
+  int checksum = 0;
+
+  if (!PyArg_ParseTuple(args, "O!O!|pzp", &PyList_Type, &source_paths_obj,
+                        &PyList_Type, &buffers_obj, &use_o_direct, &xattr_name,
+                        &checksum)) {
     return nullptr;
   }
-  checksum.key_len = static_cast<size_t>(key_len);
-  unsigned char value[kDigestSize];
-  Py_BEGIN_ALLOW_THREADS;
-  checksum.compute(static_cast<const char*>(data.buf),
-                   static_cast<size_t>(data.len), value);
-  Py_END_ALLOW_THREADS;
-  PyBuffer_Release(&data);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(value),
-                                   kDigestSize);
+
+  const Py_ssize_t n = PyList_Size(source_paths_obj);
+  if (PyList_Size(buffers_obj) != n) {
+    PyErr_SetString(PyExc_ValueError,
+                    "source_paths and buffers must have the same length");
+    return nullptr;
+  }
+
+  std::vector<const char*> source_paths(n);
+  if (!extract_str_list(source_paths_obj, n, source_paths)) return nullptr;
+
+  std::vector<Py_buffer> buffers(n);
+  if (!extract_buffer_list(buffers_obj, n, PyBUF_WRITABLE, buffers)) {
+    return nullptr;
+  }
+
+  // A failed block does not stop the batch: the others are still loaded.
+  std::vector<Py_ssize_t> failed_indices;
+  std::vector<Py_ssize_t> checksum_failed_indices;
+  std::vector<char> failed(n, 0);
+  std::vector<FileXattr> xattrs(xattr_name != nullptr ? n : 0);
+  int failure_errno = 0;
+
+  {
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+      char* buf = static_cast<char*>(buffers[i].buf);
+      bool checksum_failed = false;
+      const int err =
+          _load_block(source_paths[i], buf, static_cast<size_t>(buffers[i].len),
+                      use_o_direct, xattr_name,
+                      xattr_name != nullptr ? &xattrs[i] : nullptr, checksum,
+                      &checksum_failed);
+      if (checksum_failed) {
+        checksum_failed_indices.push_back(i);
+      }
+      if (err != 0) {
+        if (failed_indices.empty()) {
+          failure_errno = err;
+        }
+        failed_indices.push_back(i);
+        failed[i] = 1;
+      }
+    }
+    Py_END_ALLOW_THREADS
+  }
+
+  release_buffer_list(buffers);
+
+  PyObject* xattr_reads = nullptr;
+  if (xattr_name != nullptr) {
+    xattr_reads = PyList_New(n);
+    if (xattr_reads == nullptr) {
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject* item;
+      if (failed[i]) {
+        item = Py_NewRef(Py_None);
+      } else {
+        PyObject* value = PyBytes_FromStringAndSize(
+            reinterpret_cast<const char*>(xattrs[i].value),
+            static_cast<Py_ssize_t>(xattrs[i].len));
+        item =
+            value == nullptr
+                ? nullptr
+                : Py_BuildValue("(NKK)", value,
+                                static_cast<unsigned long long>(xattrs[i].dev),
+                                static_cast<unsigned long long>(xattrs[i].ino));
+        if (item == nullptr) {
+          Py_DECREF(xattr_reads);
+          return nullptr;
+        }
+      }
+      PyList_SetItem(xattr_reads, i, item);
+    }
+  }
+
+  if (!failed_indices.empty()) {
+    // PyErr_SetFromErrnoWithFilename() reads the errno to format exception.
+    errno = failure_errno;
+    PyErr_SetFromErrnoWithFilename(PyExc_OSError,
+                                   source_paths[failed_indices.front()]);
+    // Attach the indices of all failed blocks so the tier can keep every
+    // block that loaded (partial success).
+    PyObject *etype, *evalue, *etb;
+    PyErr_Fetch(&etype, &evalue, &etb);
+    PyErr_NormalizeException(&etype, &evalue, &etb);
+    if (evalue != nullptr) {
+      // Without the attribute (out of memory), every block counts as failed.
+      PyObject* indices = index_list(failed_indices);
+      if (indices != nullptr) {
+        PyObject_SetAttrString(evalue, "failed_indices", indices);
+        Py_DECREF(indices);
+      }
+      if (checksum) {
+        PyObject* checksum_indices = index_list(checksum_failed_indices);
+        if (checksum_indices != nullptr) {
+          PyObject_SetAttrString(evalue, "integrity_failed", checksum_indices);
+          Py_DECREF(checksum_indices);
+        }
+      }
+      if (xattr_reads != nullptr) {
+        PyObject_SetAttrString(evalue, "xattr_reads", xattr_reads);
+      }
+    }
+    Py_XDECREF(xattr_reads);
+    PyErr_Restore(etype, evalue, etb);
+    return nullptr;
+  }
+
+  if (xattr_reads != nullptr) {
+    return xattr_reads;
+  }
+  Py_RETURN_NONE;
 }
 
 static PyMethodDef fs_io_C_methods[] = {
-    {"store_new_block", store_new_block, METH_VARARGS,
-     "store_new_block(tmp_path, dest_path, row, offset, size, runs, direct,\n"
-     "                file_mode, chmod, xattr, key) -> int\n"
+    {"batch_lookup", batch_lookup, METH_VARARGS,
+     "batch_lookup(paths: list[str]) -> list[bool]\n"
      "\n"
-     "Write a block to a new temp file (openat2 RESOLVE_NO_SYMLINKS, O_EXCL)\n"
-     "and publish it with RENAME_NOREPLACE, the GIL released once. 0:\n"
-     "published; 1: written but not published (the temp file is left);\n"
-     "-errno: nothing left behind. With an xattr name, the block's crc32c\n"
-     "checksum (of key, then the block) is set as that xattr first."},
-    {"load_block", load_block, METH_VARARGS,
-     "load_block(path, row, offset, size, runs, direct, xattr, key) -> int\n"
+     "Check file existence for a batch of paths."},
+    {"batch_store_block", batch_store_block, METH_VARARGS,
+     "batch_store_block(tmp_paths: list[str], dest_paths: list[str],\n"
+     "                  buffers: list[bytes-like],\n"
+     "                  use_o_direct: bool = True,\n"
+     "                  file_mode: int = 0o600,\n"
+     "                  dir_mode: int = 0o700,\n"
+     "                  xattr_name: str | None = None,\n"
+     "                  xattr_values: list[bytes-like] = ...,\n"
+     "                  checksum: bool = False) -> None\n"
      "\n"
-     "Read a regular file of exactly size bytes (openat2\n"
-     "RESOLVE_NO_SYMLINKS) into the row, the GIL released once. 0: loaded;\n"
-     "-errno: not loaded (the row's bytes are undefined; -EBADMSG: the\n"
-     "crc32c checksum in the xattr, if named, is missing or differs)."},
-    {"crc32c", crc32c, METH_VARARGS,
-     "crc32c(key: bytes, data: bytes-like) -> bytes\n"
+     "Store a batch of blocks, each from its own buffer, to disk; with "
+     "checksum, each with its CRC32C in the user.vllm.kv_crc32c xattr. A "
+     "failed block does not stop the batch; if any failed, raises the first "
+     "error."},
+    {"batch_load_block", batch_load_block, METH_VARARGS,
+     "batch_load_block(source_paths: list[str],\n"
+     "                 buffers: list[writable bytes-like],\n"
+     "                 use_o_direct: bool = True,\n"
+     "                 xattr_name: str | None = None,\n"
+     "                 checksum: bool = False)\n"
+     "    -> None | list[tuple[bytes, int, int] | None]\n"
      "\n"
-     "The crc32c checksum of key, then data, as the 8 bytes the block\n"
-     "file's xattr holds (little-endian, the upper 4 zero)."},
+     "Load a batch of blocks from disk into corresponding buffers; with an "
+     "xattr_name, return its value per block, read through the same fd, "
+     "with the file's st_dev and st_ino; with checksum, check each block "
+     "against its CRC32C (user.vllm.kv_crc32c). A failed block does not stop "
+     "the batch; if any failed, raises the first error with failed_indices "
+     "(and xattr_reads, integrity_failed) set."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 static struct PyModuleDef fs_io_C_module = {
-    PyModuleDef_HEAD_INIT,
-    "fs_io_C",
-    "The fs_python tier's block stores and loads in C",
-    -1,
+    PyModuleDef_HEAD_INIT, "fs_io_C", "Filesystem helpers for KV offload", -1,
     fs_io_C_methods,
 };
 
-PyMODINIT_FUNC PyInit_fs_io_C(void) {
-  PyObject* module = PyModule_Create(&fs_io_C_module);
-#ifdef FS_IO_HAVE_OPENAT2
-  constexpr long kHaveOpenat2 = 1;
-#else
-  constexpr long kHaveOpenat2 = 0;  // every call answers -ENOSYS
-#endif
-  if (module != nullptr &&
-      PyModule_AddIntConstant(module, "HAVE_OPENAT2", kHaveOpenat2) != 0) {
-    Py_CLEAR(module);
-  }
-  return module;
-}
+PyMODINIT_FUNC PyInit_fs_io_C(void) { return PyModule_Create(&fs_io_C_module); }
 
 }  // extern "C"

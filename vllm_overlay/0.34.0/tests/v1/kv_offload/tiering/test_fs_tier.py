@@ -1363,6 +1363,36 @@ def test_tier_recreates_its_config_when_its_root_is_removed(
     assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_store_that_fails_after_writing_some_blocks_keeps_config(
+    tmp_path, monkeypatch, use_c_ext
+):
+    """The root removed, then a store job whose second block cannot be
+    written (a non-empty directory at its path): the first block is
+    written, and config.json is re-created with it, though the job fails.
+    Before: only a store that raised nothing re-created it."""
+    import shutil
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("C extension not available")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+    root = tmp_path / "root"
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tier = _make_small_tier(root, tensor)
+    try:
+        config_path = tier.file_mapper.get_config_file_path()
+        shutil.rmtree(root)
+        os.makedirs(os.path.join(tier.file_mapper.get_file_name(key(3)), "x"))
+        tier.submit_store(make_job(1, [key(2), key(3)], [1, 1]))
+        assert [r.success for r in drain(tier)] == [False]
+        assert os.path.isfile(tier.file_mapper.get_file_name(key(2)))
+        assert os.path.isfile(config_path), "blocks stored without config.json"
+    finally:
+        tier.shutdown()
+
+
 def test_config_re_creation_failures_are_reported_rate_limited(
     tmp_path, monkeypatch, caplog_vllm
 ):

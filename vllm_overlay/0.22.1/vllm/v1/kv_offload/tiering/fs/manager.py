@@ -14,45 +14,33 @@ Load path:
 I/O mode:
     O_DIRECT (bypassing the page cache) when the primary tier's rows are
     page-aligned and the filesystem supports it, else buffered I/O. Decided
-    at start by probe_direct_io(), and logged with the reason. A probe that
+    at start by probe_o_direct(), and logged with the reason. A probe that
     failed for a reason that may pass (a full disk, an I/O error) is run
     again, by the first store at least REPROBE_INTERVAL_S later, until it
     succeeds or fails for good.
 
-Useful bytes only:
+Useful bytes only (fs/group_files.py):
     A key's file holds the bytes of the CPU row its KV cache group's
-    transfers use (cpu/row_extents.py: not the tensors of other groups' layers,
-    not the padding of a mamba state), zero-padded to the page size: a group
-    whose bytes are one page-aligned run of the row is written and read in
-    place, else through a page-aligned per-thread buffer, so that O_DIRECT
-    works for every group. A load writes only the group's runs of the row.
-    Each group's file size is part of the layout (config.json), so files of
+    transfers use (cpu/row_extents.py), zero-padded to the page size. Each
+    group's file size is part of the layout (config.json), so files of
     whole rows written before are never read.
 
 Integrity (the tier config's "checksum", on by default):
-    With "auto" (the default: crc32c where the fs_io_C extension is built,
-    computed in C with the block's I/O; else xxh3_64 where the xxhash
-    package imports, else crc32), "crc32c", "xxh3_64" or "crc32", each
-    block file carries a checksum of the block's key and bytes, set as its
-    extended attribute user.vllm.kv_checksum before the file is published:
-    the file holds exactly the block. A load
-    whose checksum does not match or is missing fails: the key is a miss,
-    so a block file overwritten by another writer (same size, another key's
-    block, a flipped bit) is never served. Where the root's filesystem has
-    no user xattrs (probed once at start), the checksum is written in a
-    trailer after the block instead (a page where the blocks are
-    page-aligned, for O_DIRECT; else 8 bytes), which costs more I/O and
-    keeps every block on the Python path: there "auto" checks nothing (a
-    warning at start says so and how to choose a trailer). Where it is
-    kept, and the algorithm, are part of the file layout
-    (config.json): files of one format are never read as another.
+    With "auto" (the default) or "crc32c", each block file carries the
+    CRC32C of its bytes in the extended attribute user.vllm.kv_crc32c, set
+    before the file is published and checked on every load (computed in C
+    with the block's I/O where the fs_io_C extension is built): a damaged
+    or truncated block is a miss, its file removed. Where the root's
+    filesystem has no user xattrs (probed once at start), "auto" checks
+    nothing (a warning at start says so) and "crc32c" is refused; "none"
+    checks nothing. The same files as the upstream track's checksum_blocks.
 
 Keyed namespace (the tier config's "key_file", off by default):
     For a store shared by several engines (NFS, a PVC): with a key read from
     a private file (fs/security.py), block files are named by a keyed hash
     of the block hash and carry an HMAC-SHA256 of the block's identity
-    (layout and key) and bytes where the checksum would be (the extended
-    attribute user.vllm.kv_mac, else the trailer), checked on load.
+    (layout and key) and bytes in the extended attribute user.vllm.kv_mac
+    (the root must have user xattrs), checked on load.
     Without the key nobody can compute where a prefix's block lives, test
     whether it is cached, or plant a file that loads: a planted or altered
     file is a miss, counted in the rate-limited failure report. Engines
@@ -68,9 +56,7 @@ File modes (the tier config's "group_access", off by default):
     by the start-up walk and reported once, with an example and the fix.
     A root (or a parent) that others can write or that another user owns is
     refused at start (fs/security.py). Block files are opened with
-    O_NOFOLLOW and, where /proc is mounted, checked to be where their path
-    says (not behind a symlinked directory): a symbolic link in the tree is
-    a miss, never read, written or removed through.
+    O_NOFOLLOW: a symbolic link at a block's path is a miss, never read.
 
 Budget (the tier config's "max_bytes", unbounded by default):
     The layout's files on the root never exceed max_bytes by more than one
@@ -89,6 +75,8 @@ File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
 """
 
+import contextlib
+import ctypes
 import errno
 import functools
 import json
@@ -97,14 +85,13 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, get_offload_group_idx
-from vllm.v1.kv_offload.cpu.row_extents import group_row_runs
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import (
     JobMetadata,
@@ -125,19 +112,20 @@ from vllm.v1.kv_offload.tiering.fs.files import (
     scan_and_report,
     write_file_atomically,
 )
+from vllm.v1.kv_offload.tiering.fs.group_files import (
+    GroupFile,
+    group_files,
+    load_group_files,
+    store_group_files,
+)
 from vllm.v1.kv_offload.tiering.fs.io import (
-    CHECKSUM_XATTR,
-    CHECKSUMS,
-    MAC_XATTR,
-    BlockChecksum,
+    CRC_XATTR,
     BlockMac,
-    io_calls_in_use,
-    load_block,
-    probe_direct_io,
-    probe_user_xattrs,
-    resolve_checksum,
-    store_block,
-    umask_narrows,
+    has_compiled_io,
+    holds_no_block,
+    is_block_path,
+    probe_o_direct,
+    probe_xattr,
 )
 from vllm.v1.kv_offload.tiering.fs.layouts import LayoutMark, report_other_layouts
 from vllm.v1.kv_offload.tiering.fs.report import Throttle
@@ -146,7 +134,10 @@ from vllm.v1.kv_offload.tiering.fs.security import (
     check_root_dir,
     load_key_file,
 )
-from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
+from vllm.v1.kv_offload.tiering.fs.thread_pool import (
+    DualQueueThreadPool,
+    FinishedJob,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -157,55 +148,23 @@ logger = init_logger(__name__)
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again with the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
+# Load errors that may pass (too many open files, memory, a signal): the
+# file is loaded again later, not rewritten.
+TRANSIENT_LOAD_ERRNOS = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
+)
 # lookup() without a request: its hits order like a request's unpositioned
 # keys (recency)
 _NO_REQUEST = ReqContext(req_id="")
 
 
-@dataclass(frozen=True)
-class GroupFile:
-    """How a KV cache group's block file maps to a row of the primary tier:
-    *size* bytes (the group's, page-aligned), at *offset* of the row when
-    runs is None, else gathered from (and scattered to) the row's *runs*."""
-
-    offset: int
-    size: int
-    runs: tuple[tuple[int, int], ...] | None = None
-
-
-def group_files(
-    offloading_spec: "OffloadingSpec", row_bytes: int
-) -> list[GroupFile] | None:
-    """Each KV cache group's file, from the CPU tier's row layout; None where
-    the rows (*row_bytes* each) are not the CPU offloading rows that
-    group_row_runs() describes (files of whole rows then)."""
-    per_worker = getattr(offloading_spec, "cpu_page_size_per_worker", None)
-    num_workers = offloading_spec.vllm_config.parallel_config.world_size
-    if (
-        not isinstance(per_worker, int)
-        or not isinstance(num_workers, int)
-        or per_worker * num_workers != row_bytes
-    ):
-        return None
-    # O_DIRECT needs page-aligned lengths, where the rows allow it at all
-    align = mmap.PAGESIZE if row_bytes % mmap.PAGESIZE == 0 else 1
-    files = []
-    for runs in group_row_runs(
-        offloading_spec.kv_cache_config,
-        offloading_spec.block_size_factor,
-        per_worker,
-        num_workers,
-    ):
-        size = -(-sum(n for _, n in runs) // align) * align
-        if len(runs) == 1 and runs[0][1] == size and runs[0][0] % align == 0:
-            files.append(GroupFile(runs[0][0], size))  # in place
-        else:
-            files.append(GroupFile(0, size, tuple(runs)))
-    return files
-
-
 def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
     return bytes.fromhex(file_stem(block_hash))
+
+
+def view_address(view: memoryview) -> int:
+    """Where a (writable) byte view's memory starts."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
 
 
 def _start_thread(target: Callable, *args: Any, name: str) -> threading.Thread:
@@ -232,10 +191,35 @@ def _check_settings(tier_type: str, stale_s: object, group_access: object) -> No
         )
 
 
+# the tier's 'checksum' settings (see FileSystemTierManager)
+CHECKSUMS = ("auto", "crc32c", "none")
+
+
+def _check_checksum(tier_type: str, checksum: object, tier_key: object) -> None:
+    """Refuse a 'checksum' setting that is not one, naming the fix."""
+    if tier_key is not None and checksum not in ("auto", "none"):
+        raise ValueError(
+            f"the '{tier_type}' tier's key_file replaces its checksum (a "
+            "keyed MAC checks every block): remove 'checksum' or set it "
+            "to 'auto' or 'none'"
+        )
+    if checksum in ("xxh3_64", "crc32"):
+        raise ValueError(
+            f"checksum {checksum!r} of the '{tier_type}' tier is no longer "
+            "offered: blocks are checked with CRC32C, computed in C with their "
+            "I/O. Fix: set 'checksum' to 'auto' or 'crc32c'"
+        )
+    if checksum not in CHECKSUMS:
+        raise ValueError(
+            f"Unknown checksum {checksum!r} in the '{tier_type}' tier's "
+            f"config: set 'checksum' to one of {list(CHECKSUMS)}"
+        )
+
+
 @dataclass
 class _Job:
-    """A job in flight, as the tier keeps it: enqueued with the job's tasks
-    (one a key), it comes back with the finished job (FinishedJob.record),
+    """A job in flight, as the tier keeps it: enqueued with the job's task,
+    it comes back with the finished job (FinishedJob.record),
     so that the tier keeps no per-job table."""
 
     keys: list[OffloadKey]
@@ -268,17 +252,12 @@ class FileSystemTierManager(SecondaryTierManager):
         cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
             temp files not modified for this long (left by writers
             killed between writing a block and renaming it); None: never.
-        checksum: "auto" (the default: crc32c where the fs_io_C
-            extension is built, else xxh3_64 where the xxhash package
-            imports, else crc32), "crc32c" (Castagnoli, in C), "xxh3_64",
-            "crc32" (zlib) or "none": store a checksum of each block's
-            key and bytes with the block (in an extended attribute of
-            its file, else a trailer) and check it on every load; a
-            mismatch (a file overwritten by another writer, another key's
-            block, a flipped bit) makes the key a miss. Part of the file
-            layout: each algorithm has its own directory. "auto" checks
-            nothing where the root has no user xattrs (a warning at
-            start says so).
+        checksum: "auto" (the default), "crc32c" or "none": keep each
+            block's CRC32C in an extended attribute of its file and check
+            it on every load; a mismatch (a damaged or truncated block)
+            makes the key a miss. "auto" checks nothing where the root has
+            no user xattrs (a warning at start says so); "crc32c" is
+            refused there.
         group_access: create files 0640 and directories 2770 (the
             group's engines read blocks and store into each other's
             directories) instead of 0600 and 0700.
@@ -312,9 +291,6 @@ class FileSystemTierManager(SecondaryTierManager):
     ):
         _check_settings(tier_type, cleanup_stale_tmp_after_seconds, group_access)
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
-        # block files need an fchmod only where the umask at start-up narrows
-        # their mode (a later umask can only make new files more private)
-        self._chmod_files = umask_narrows(self._modes.file)
         # From here on the resolved root, the one checked: a symlink in the
         # given path could be repointed after the check.
         root_dir = check_root_dir(root_dir, tier_type, group_access)
@@ -324,20 +300,18 @@ class FileSystemTierManager(SecondaryTierManager):
             if key_file is not None
             else None
         )
+        _check_checksum(tier_type, checksum, tier_key)
         super().__init__(offloading_spec, primary_kv_view, tier_type)
 
         assert primary_kv_view.strides is not None, "a view of rows"
         self._block_size: int = primary_kv_view.strides[0]  # a row of the view
 
-        self._checksum, file_format, in_xattr = self._resolve_checksum(
-            checksum, tier_key, root_dir
-        )
-
-        self._map_files(offloading_spec, root_dir, tier_key, file_format, in_xattr)
+        # before anything is written: a root refused for xattrs keeps nothing
+        self._init_integrity(tier_key, checksum, root_dir)
+        self._map_files(offloading_spec, root_dir, tier_key)
 
         # bytes of each group's block files; a chunk has one per group
-        trailer = self._checksum.trailer_size if self._checksum else 0
-        self._file_sizes = [f.size + trailer for f in self._group_files]
+        self._file_sizes = [f.size for f in self._group_files]
         self._max_bytes = validate_max_bytes(
             max_bytes, sum(self._file_sizes), tier_type
         )
@@ -380,11 +354,11 @@ class FileSystemTierManager(SecondaryTierManager):
         offloading_spec: "OffloadingSpec",
         root_dir: str,
         tier_key: TierKey | None,
-        file_format: dict | None,
-        in_xattr: bool,
     ) -> None:
         """Where the tier's files are and what each holds of a row: the
-        FileMapper of the layout (with key_file: keyed names and a MAC)."""
+        FileMapper of the layout (with key_file: keyed names and a MAC).
+        Checked files live apart from unchecked ones: an engine that checks
+        never removes, as unchecked, the files of one that does not."""
         # what each group's files hold of a row (whole rows where unknown)
         files = group_files(offloading_spec, self._block_size)
         num_groups = len(offloading_spec.kv_cache_config.kv_cache_groups)
@@ -392,104 +366,108 @@ class FileSystemTierManager(SecondaryTierManager):
         self._group_files: list[GroupFile] = files or [self._whole_row] * max(
             1, num_groups
         )
-        if tier_key is not None:
-            # keyed files live apart from unkeyed ones; the key is not named
-            file_format = {
-                **BlockMac.describe_format(
-                    self._block_size, MAC_XATTR if in_xattr else None
-                ),
-                "file_names": "keyed-blake2b-128",
-            }
-
-        # Create file mapper
         self.file_mapper = FileMapper.from_offloading_spec(
             # resolved, so that I/O can tell a symlink in the tree
             root_dir=root_dir,
             offloading_spec=offloading_spec,
             gpu_blocks_per_file=offloading_spec.block_size_factor,
-            checksum=file_format,
+            # keyed files live apart from unkeyed ones; the key is not named
+            checksum=(
+                {"file_names": "keyed-blake2b-128", "mac": "hmac-sha256-xattr"}
+                if tier_key is not None
+                else {"algorithm": "crc32c", "xattr": CRC_XATTR}
+                if self._checksum
+                else None
+            ),
             file_stem=tier_key.file_stem if tier_key is not None else None,
             group_file_bytes=[f.size for f in files] if files else None,
         )
         if tier_key is not None:
-            self._checksum = BlockMac(
-                tier_key.mac_key,
-                self._block_size,
-                self.file_mapper.layout_id(),
-                MAC_XATTR if in_xattr else None,
-            )
+            self._mac = BlockMac(tier_key.mac_key, self.file_mapper.layout_id())
 
-    def _resolve_checksum(
-        self, checksum: str, tier_key: TierKey | None, root_dir: str
-    ) -> tuple["BlockChecksum | None", dict | None, bool]:
-        """The block checksum of the 'checksum' setting (None: none; a
-        key_file's MAC replaces it), its file format, and whether it is kept
-        in an extended attribute (else a trailer)."""
-        if tier_key is not None and checksum not in ("auto", "none"):
-            raise ValueError(
-                f"the '{self.tier_type}' tier's key_file replaces its checksum (a "
-                "keyed MAC checks every block): remove 'checksum' or set it "
-                "to 'auto' or 'none'"
-            )
-        if checksum not in CHECKSUMS:
-            raise ValueError(
-                f"Unknown checksum {checksum!r} in the fs_python tier's config: "
-                f"set 'checksum' to one of {list(CHECKSUMS)}"
-            )
-        # the checksum or MAC in an extended attribute of each block file,
-        # else (a filesystem without user xattrs) in a trailer after it
-        xattr_reason = None
-        if tier_key is not None or checksum != "none":
-            make_dirs(root_dir, self._modes)
-            xattr_reason = probe_user_xattrs(root_dir, self._modes)
-        auto_off = checksum == "auto" and tier_key is None
-        if xattr_reason is not None and not auto_off:
-            logger.info(
-                "%s: keeping each block's checksum in a "
-                "trailer after the block because %s",
-                self._label,
-                xattr_reason,
-            )
-        in_xattr = xattr_reason is None
-        if auto_off and not in_xattr:
-            # a trailer page per file (+25% for 16 KiB group files) and every
-            # block on the Python path: not a default's price
+    def _init_integrity(
+        self, tier_key: TierKey | None, checksum: str, root_dir: str
+    ) -> None:
+        """What each block file carries: its MAC (key_file, set by
+        _map_files()) or CRC32C (checksum), or nothing; both need user
+        extended attributes, probed at the root."""
+        self._mac: BlockMac | None = None
+        self._checksum = checksum != "none" and tier_key is None
+        if self._checksum and checksum == "auto" and not has_compiled_io():
+            self._checksum = False
             logger.warning(
-                "%s: blocks are not checked for damage: "
-                "checksum 'auto' keeps its checksum in a user extended "
-                "attribute, and %s. Set the tier's 'checksum' to 'crc32c' "
-                "(or 'xxh3_64', 'crc32') to keep it in a trailer page after "
-                "each block instead",
+                "%s: blocks are not checked for damage: checksum 'auto' "
+                "computes each block's CRC32C in C, and this vLLM build lacks "
+                "its fs_io_C extension (built from csrc/fs_io.cpp). Set "
+                "'checksum' to 'crc32c' to check them in Python (under 10 MB/s "
+                "per I/O thread), or to 'none'",
                 self._label,
-                xattr_reason,
             )
-            checksum = "none"
-        self._checksum: BlockChecksum | None = None
-        if tier_key is None and checksum != "none":
-            self._checksum = BlockChecksum(
-                resolve_checksum(checksum),
-                self._block_size,
-                CHECKSUM_XATTR if in_xattr else None,
+        if tier_key is None and not self._checksum:
+            return
+        setting, kept, off = (
+            ("key_file", "MAC", "remove key_file")
+            if tier_key is not None
+            else ("checksum", "CRC32C", "set checksum to 'none'")
+        )
+        try:
+            make_dirs(root_dir, self._modes)
+            probe_xattr(root_dir)
+        except OSError as e:
+            if tier_key is None and checksum == "auto":
+                self._checksum = False
+                logger.warning(
+                    "%s: blocks are not checked for damage: checksum 'auto' "
+                    "keeps each block's CRC32C in a user extended attribute, "
+                    "and the filesystem refused one (%s). Use a root_dir with "
+                    "user xattrs to check them, or set 'checksum' to 'none'",
+                    self._label,
+                    e.strerror,
+                )
+                return
+            raise ValueError(
+                f"{setting} of the '{self.tier_type}' tier needs user extended "
+                f"attributes at root_dir {root_dir!r} (each block's {kept} "
+                f"is kept in one), but the filesystem refused one ({e.strerror})."
+                " Fix: use a root_dir on a filesystem with user xattrs (ext4, "
+                f"xfs, btrfs, tmpfs on Linux >= 6.6, NFS 4.2), or {off}"
+            ) from None
+        if self._checksum and not has_compiled_io():
+            logger.warning(
+                "%s: checksum without vLLM's compiled fs_io_C extension "
+                "computes each block's CRC32C in Python (under 10 MB/s per I/O "
+                "thread). Fix: build vLLM with it, or set 'checksum' to 'none'",
+                self._label,
             )
-        file_format = self._checksum.describe() if self._checksum else None
-        return self._checksum, file_format, in_xattr
 
     def _probe_root(self, root_dir: str) -> None:
-        """Probe the layout directory for O_DIRECT (see probe_direct_io())."""
-        # O_DIRECT bypasses the page cache, but only works for aligned rows
-        # on filesystems that support it; otherwise use buffered I/O.
+        """Probe the layout directory for O_DIRECT; blocks are read and
+        written with it only where the primary tier's rows are page-aligned
+        (a group file is then page-aligned in place, or gathered)."""
         self._probe_dir = os.path.dirname(self.file_mapper.get_config_file_path())
-        reason, transient = probe_direct_io(
-            self._probe_dir, self._primary_kv_view, self._block_size, self._modes
-        )
-        self._direct_io: bool = reason is None
-        # when to probe again after a transient failure (None: never)
-        self._reprobe_at: float | None = (
-            time.monotonic() + REPROBE_INTERVAL_S if transient else None
-        )
-        if transient:
-            reason = f"{reason}; probing again in {REPROBE_INTERVAL_S:.0f} s"
-        logger.info("%s: %s", self._label, io_calls_in_use())
+        view = self._primary_kv_view.cast("B")
+        address = view_address(view)
+        self._reprobe_at: float | None = None  # None: never
+        reason = None
+        if self._block_size % mmap.PAGESIZE or address % mmap.PAGESIZE:
+            self._direct_io = False
+            reason = (
+                f"the primary tier's rows ({self._block_size} bytes at address "
+                f"{address:#x}) are not aligned to the page size ({mmap.PAGESIZE})"
+            )
+        else:
+            try:
+                self._direct_io = probe_o_direct(self._probe_dir)
+            except OSError as e:  # says nothing about O_DIRECT: probe again
+                self._direct_io = False
+                self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+                reason = (
+                    f"the O_DIRECT probe failed ({e}); probing again in "
+                    f"{REPROBE_INTERVAL_S:.0f} s"
+                )
+            else:
+                if not self._direct_io:
+                    reason = "O_DIRECT I/O is not supported here"
         if self._direct_io:
             logger.info(
                 "%s: using O_DIRECT I/O for %d-byte blocks",
@@ -567,9 +545,9 @@ class FileSystemTierManager(SecondaryTierManager):
         return budget
 
     def _write_config(self) -> bool:
-        """Write config.json (the layout of this directory's files) unless it
-        exists; atomically, as several engines may share the directory.
-        Returns whether it was written."""
+        """Write config.json (the layout of the directory's block files)
+        unless it exists; atomically, as several engines may share the
+        directory. Returns whether it was written."""
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
             return False
@@ -578,35 +556,55 @@ class FileSystemTierManager(SecondaryTierManager):
         write_file_atomically(config_path, config.encode(), self._modes)
         return True
 
-    def _on_new_dir(self) -> None:
-        """A store created a block directory (an I/O thread): if the tier's
-        root was removed while running, re-create its config.json too, or
-        the blocks stored from now on would lie in a directory that does not
-        say what they are."""
+    def _store_and_keep_config(
+        self, store: Callable[[], list[OffloadKey]]
+    ) -> list[OffloadKey]:
+        """Run a store task (on an I/O thread), then re-create config.json if
+        the tier's root was removed while running (an operator cleaning a
+        cache directory): the store re-created the block directories, which
+        must not be left without the file that says what they hold, also
+        where the store failed after writing some. Costs a stat per store
+        job. Returns what the store task returned."""
         try:
-            with self._config_lock:
-                rewritten = self._write_config()
-            if rewritten:
-                logger.warning(
-                    "%s: %s was missing (was the directory removed?); re-created it",
-                    self._label,
-                    self.file_mapper.get_config_file_path(),
-                )
-        except OSError as e:
-            with self._config_lock:
-                self._config_failures += 1
-                if not self._config_throttle.due():
-                    return
-                failures, self._config_failures = self._config_failures, 0
+            return store()
+        finally:
+            self._keep_config()
+
+    def _keep_config(self) -> None:
+        config_path = self.file_mapper.get_config_file_path()
+        if os.path.exists(config_path):
+            return
+        with self._config_lock:
+            try:
+                written = self._write_config()
+            except OSError as e:
+                self._report_config_failure(config_path, e)
+                return
+        if written:
             logger.warning(
-                "%s: could not re-create %s (%d failed "
-                "attempt(s) since the last warning; its blocks are stored "
-                "without it): %s",
-                self._label,
-                self.file_mapper.get_config_file_path(),
-                failures,
-                e,
+                "%s was missing (was the '%s' KV offload tier's directory "
+                "removed?); re-created it.",
+                config_path,
+                self.tier_type,
             )
+
+    def _report_config_failure(self, config_path: str, error: OSError) -> None:
+        """Rate-limited, with counts (under _config_lock): the first failure
+        at once, then at most one warning per REPORT_INTERVAL_S, so a root
+        that stays unwritable is neither silent nor flooding the log."""
+        self._config_failures += 1
+        if not self._config_throttle.due():
+            return
+        logger.warning(
+            "Could not re-create %s for the '%s' KV offload tier (%d failed "
+            "attempt(s) since the last warning; its blocks are stored "
+            "without it): %s",
+            config_path,
+            self.tier_type,
+            self._config_failures,
+            error,
+        )
+        self._config_failures = 0
 
     def lookup(
         self, key: OffloadKey, req_context: ReqContext | None = None
@@ -617,7 +615,7 @@ class FileSystemTierManager(SecondaryTierManager):
             st = os.lstat(self.file_mapper.get_file_name(key))
         except OSError:
             return False
-        # a symbolic link is never read through (load_block: O_NOFOLLOW)
+        # a symbolic link is never read through (io.py: O_NOFOLLOW)
         if stat.S_ISLNK(st.st_mode):
             return False
         budget = self._budget
@@ -633,198 +631,303 @@ class FileSystemTierManager(SecondaryTierManager):
         before a store): switch to it if it works now, else keep buffered
         I/O and, if the failure may still pass, probe again later."""
         try:
-            reason, transient = probe_direct_io(
-                self._probe_dir, self._primary_kv_view, self._block_size, self._modes
-            )
-        except OSError as e:  # the probe file could not even be created
-            reason, transient = str(e), True
-        if reason is None:
-            self._direct_io = True
+            self._direct_io = probe_o_direct(self._probe_dir)
+        except OSError:
+            self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+            return
+        if self._direct_io:
             logger.info(
                 "%s: the O_DIRECT probe succeeded this time; "
                 "using O_DIRECT I/O for %d-byte blocks",
                 self._label,
                 self._block_size,
             )
-        elif transient:
-            self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
         else:
             logger.info(
-                "%s: keeping buffered I/O because %s",
+                "%s: keeping buffered I/O because O_DIRECT I/O is not supported here",
                 self._label,
-                reason,
             )
 
-    def _with_reprobe(self, task: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            self._reprobe_direct_io()
-            task()
-
-        return run
-
-    def _store_admitted(
-        self, job: Admission, key: OffloadKey, block_id: int, rewrite: bool
-    ) -> None:
-        """A store task of a budgeted tier: its job's admission first (on
-        this I/O thread, not the scheduler's), then, for the job's first
-        task, the evicted chunks' files removed, then its write."""
-        assert self._budget is not None
-        rejected, unreachable, evicted = self._budget.admitted(job)
-        if evicted:
-            self._budget.remove_evicted(evicted)
-        if rejected and key in rejected:
-            self._reject(key)
-        if unreachable and key in unreachable:
-            return  # its prefix is not on disk: it could never hit
-        gf = self._group_file(key)
-        store_block(
-            self.file_mapper.get_file_name(key),
-            self._primary_kv_view,
-            block_id * self._block_size + gf.offset,
-            gf.size,
-            self._direct_io,
-            rewrite,
-            key,
-            self._checksum,
-            self._on_new_dir,
-            self._modes,
-            self._chmod_files,
-            gf.runs,
-        )
-        self._budget.written(job, (key,))
-
-    def _reject(self, key: OffloadKey) -> None:
-        # reported by the budget's rejection warning, not as a failed write
-        raise BudgetRejection(
-            errno.ENOSPC,
-            f"no room in max_bytes={self._max_bytes}: every indexed block file "
-            "is in use by a transfer",
-        )
+    def _store_and_reprobe(
+        self, store: Callable[[], list[OffloadKey]]
+    ) -> list[OffloadKey]:
+        self._reprobe_direct_io()
+        return store()
 
     def _group_file(self, key: OffloadKey) -> GroupFile:
+        """What *key*'s file holds of a row (whole rows for an unknown group)."""
         g = get_offload_group_idx(key)
         files = self._group_files
         return files[g] if g < len(files) else self._whole_row
 
+    def _by_group(self, keys: list[OffloadKey]) -> dict[GroupFile, list[int]]:
+        """The indices of *keys*, by what their files hold of a row."""
+        indices: dict[GroupFile, list[int]] = {}
+        for i, key in enumerate(keys):
+            indices.setdefault(self._group_file(key), []).append(i)
+        return indices
+
+    def _store_blocks(
+        self,
+        keys: list[OffloadKey],
+        paths: list[str],
+        offsets: list[int],
+        rewrites: Collection[OffloadKey] = (),
+    ) -> list[OffloadKey]:
+        """A store task (on an I/O thread): writes each group's files of the
+        rows at *offsets* and returns the keys it wrote. The files of
+        *rewrites* (keys whose load failed) are removed first, so that they
+        are written anew. A failure raises (once every group was tried) with
+        ``missing``, the keys left without a complete file, ``written``, those
+        stored (not a rewrite whose file may be the old one), and
+        ``failed_indices``, the others' (for the failure report)."""
+        for key, path in zip(keys, paths):
+            if key in rewrites:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        first_exc: Exception | None = None
+        for group_file, idx in self._by_group(keys).items():
+            try:
+                store_group_files(
+                    group_file,
+                    [paths[i] for i in idx],
+                    self._primary_kv_view,
+                    [offsets[i] for i in idx],
+                    self._direct_io,
+                    self._modes,
+                    self._mac,
+                    [keys[i] for i in idx],
+                    self._checksum,
+                )
+            except Exception as exc:  # whatever the store raised
+                first_exc = first_exc or exc
+        if first_exc is not None:
+            missing = [
+                k
+                for k, p in zip(keys, paths)
+                if not is_block_path(p) or holds_no_block(p, self._group_file(k).size)
+            ]
+            not_written = set(missing).union(rewrites)
+            first_exc.missing = missing  # type: ignore[attr-defined]
+            first_exc.written = [k for k in keys if k not in not_written]  # type: ignore[attr-defined]
+            first_exc.failed_indices = [  # type: ignore[attr-defined]
+                i for i, k in enumerate(keys) if k in not_written
+            ]
+            raise first_exc
+        return keys
+
+    def _store_within_budget(
+        self,
+        admission: Admission,
+        keys: list[OffloadKey],
+        paths: list[str],
+        offsets: list[int],
+        rewrites: Collection[OffloadKey] = (),
+    ) -> list[OffloadKey]:
+        """A budgeted store task (on an I/O thread): its job's admission
+        (reserving its bytes, evicting first; see FsTierBudget.admitted()),
+        the evicted chunks' files removed, the admitted blocks written.
+        Returns the keys written; raises a BudgetRejection (reported by the
+        budget's rejection warning) carrying them as ``written`` if some did
+        not fit, and any failure as _store_blocks() does."""
+        assert self._budget is not None
+        rejected, unreachable, evicted = self._budget.admitted(admission)
+        if rejected or unreachable:
+            kept = [
+                i
+                for i, key in enumerate(keys)
+                if key not in rejected and key not in unreachable
+            ]
+            keys = [keys[i] for i in kept]
+            paths = [paths[i] for i in kept]
+            offsets = [offsets[i] for i in kept]
+        if evicted:
+            self._budget.remove_evicted(evicted)
+        self._store_blocks(keys, paths, offsets, rewrites)
+        self._budget.written(admission, keys)
+        if rejected:
+            refusal = BudgetRejection(
+                errno.ENOSPC,
+                f"{len(rejected)} block(s) not stored: no room in "
+                f"max_bytes={self._max_bytes}, every indexed block file is in "
+                "use by a transfer",
+            )
+            refusal.written = keys  # type: ignore[attr-defined]
+            raise refusal
+        return keys
+
     def submit_store(self, job_metadata: JobMetadata) -> None:
-        unloadable = self._unloadable
-        record = _Job(list(job_metadata.keys), is_load=False)
-        if unloadable:
-            record.rewrites = [k for k in record.keys if k in unloadable]
-        tasks: Iterable[Callable[[], None]]
+        keys = list(job_metadata.keys)
+        if len(job_metadata.block_ids) != len(keys):
+            raise ValueError(
+                f"store job {job_metadata.job_id} has {len(keys)} keys and "
+                f"{len(job_metadata.block_ids)} block ids"
+            )
+        job = _Job(keys, is_load=False)
+        if self._unloadable:
+            job.rewrites = [key for key in keys if key in self._unloadable]
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
+        offsets = [int(bid) * self._block_size for bid in job_metadata.block_ids]
+        task: Callable[[], list[OffloadKey]]
         if self._budget is not None:
             # the job's admission (reserving its bytes, evicting first,
-            # pinning its chunks) is decided by its first task to run
+            # pinning its chunks) is decided by its task, off this thread
             ctx = job_metadata.req_context
-            job = self._budget.admit_store(
-                job_metadata.keys, ctx.req_id, ctx.offload_key_positions()
+            job.admission = self._budget.admit_store(
+                keys, ctx.req_id, ctx.offload_key_positions()
             )
-            record.admission = job
-            store = self._store_admitted
-            tasks = (
-                functools.partial(
-                    store, job, key, int(bid), bool(unloadable) and key in unloadable
-                )
-                for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
+            task = functools.partial(
+                self._store_within_budget,
+                job.admission,
+                keys,
+                paths,
+                offsets,
+                frozenset(job.rewrites),
             )
         else:
-            tasks = (
-                functools.partial(
-                    store_block,
-                    self.file_mapper.get_file_name(key),
-                    self._primary_kv_view,
-                    int(bid) * self._block_size + gf.offset,
-                    gf.size,
-                    self._direct_io,
-                    key in unloadable,
-                    key,
-                    self._checksum,
-                    self._on_new_dir,
-                    self._modes,
-                    self._chmod_files,
-                    gf.runs,
-                )
-                for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
-                for gf in (self._group_file(key),)
+            task = functools.partial(
+                self._store_blocks, keys, paths, offsets, frozenset(job.rewrites)
             )
-        reprobe_at = self._reprobe_at
+        store = functools.partial(self._store_and_keep_config, task)
         if (
-            reprobe_at is not None
-            and job_metadata.keys
-            and time.monotonic() >= reprobe_at
+            self._reprobe_at is not None
+            and keys
+            and time.monotonic() >= self._reprobe_at
         ):
-            # the job's first task probes first (off the scheduler's thread)
+            # this job's I/O thread probes first (off the scheduler's thread)
             self._reprobe_at = None
-            tasks = (
-                self._with_reprobe(t) if i == 0 else t for i, t in enumerate(tasks)
-            )
-        self._pool.enqueue_store(
-            job_metadata.job_id, len(record.keys), list(tasks), record
-        )
+            store = functools.partial(self._store_and_reprobe, store)
+        self._pool.enqueue_store(job_metadata.job_id, 1, [store], job, len(keys))
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
-        tasks = (
-            functools.partial(
-                load_block,
-                self.file_mapper.get_file_name(key),
-                self._primary_kv_view,
-                int(bid) * self._block_size + gf.offset,
-                gf.size,
-                self._direct_io,
-                key,
-                self._checksum,
-                gf.runs,
-            )
-            for key, bid in zip(job_metadata.keys, job_metadata.block_ids)
-            for gf in (self._group_file(key),)
-        )
-        record = _Job(list(job_metadata.keys), is_load=True)
+        keys = list(job_metadata.keys)
+        job = _Job(keys, is_load=True)
         if self._budget is not None:
-            record.admission = self._budget.pin_load(job_metadata.keys)
-        self._pool.enqueue_load(
-            job_metadata.job_id, len(record.keys), list(tasks), record
-        )
+            job.admission = self._budget.pin_load(keys)
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
+        offsets = [int(bid) * self._block_size for bid in job_metadata.block_ids]
+        task = functools.partial(self._load_blocks, keys, paths, offsets)
+        self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
+
+    def _load_blocks(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> None:
+        """A load task (on an I/O thread): each group's files into the rows
+        at *offsets*. A failed block does not stop the others; the first
+        error is raised once all were tried, with ``failed_indices`` and
+        ``integrity_failed`` (indices of *keys*) and what the failed blocks
+        left at their paths (_describe_failed_load())."""
+        first_exc: Exception | None = None
+        failed: list[int] = []
+        integrity_failed: list[int] = []
+        for group_file, idx in self._by_group(keys).items():
+            try:
+                load_group_files(
+                    group_file,
+                    [paths[i] for i in idx],
+                    self._primary_kv_view,
+                    [offsets[i] for i in idx],
+                    self._direct_io,
+                    self._mac,
+                    [keys[i] for i in idx],
+                    self._checksum,
+                )
+            except Exception as exc:  # whatever the load raised: its group failed
+                first_exc = first_exc or exc
+                group_failed = getattr(exc, "failed_indices", range(len(idx)))
+                failed.extend(idx[j] for j in group_failed)
+                integrity = getattr(exc, "integrity_failed", ())
+                integrity_failed.extend(idx[j] for j in integrity)
+        if first_exc is not None:
+            first_exc.failed_indices = sorted(set(failed))  # type: ignore[attr-defined]
+            first_exc.integrity_failed = sorted(integrity_failed)  # type: ignore[attr-defined]
+            self._describe_failed_load(first_exc, keys, paths)
+            raise first_exc
+
+    def _describe_failed_load(
+        self, exc: Exception, keys: list[OffloadKey], paths: list[str]
+    ) -> None:
+        """On the I/O thread, what a failed load left at its paths, as
+        attributes of its error (read in _finish_load()): ``unloadable``,
+        the indices of failed blocks whose path still holds something: not a
+        block, or a file that failed its check and could not be removed, or
+        one whose read failed for a reason that will not pass (EIO, EACCES),
+        which a store of the key writes anew; and ``gone``, those whose file
+        the budget forgets (gone, or not a block kept; a file whose read
+        failed is still there and still counted)."""
+        failed = exc.failed_indices  # type: ignore[attr-defined]
+        integrity_failed = set(exc.integrity_failed)  # type: ignore[attr-defined]
+        kept_broken = {
+            i
+            for i in failed
+            if holds_no_block(paths[i], self._group_file(keys[i]).size)
+            or (i in integrity_failed and os.path.lexists(paths[i]))
+        }
+        lasting = getattr(exc, "errno", None) not in TRANSIENT_LOAD_ERRNOS
+        exc.unloadable = [  # type: ignore[attr-defined]
+            i
+            for i in failed
+            if i in kept_broken or (lasting and os.path.lexists(paths[i]))
+        ]
+        exc.gone = [  # type: ignore[attr-defined]
+            i for i in failed if i in kept_broken or not is_block_path(paths[i])
+        ]
 
     def get_finished(self) -> Iterable[JobResult]:
-        """
-        Collect completed jobs from the finished-jobs queue.
-        """
-        results = []
+        """Collect finished jobs; a failed load marks only its failed keys
+        as misses (scheduler thread)."""
         budget = self._budget
         if budget is not None:
             budget.end_step()
             # evicted chunks: lookup() stats their files (no cached verdict
             # to turn into a miss), so they only leave the removing set
             budget.take_evicted_keys()
-        for finished in self._pool.get_finished():
-            job: _Job = finished.record
-            keys, failed = job.keys, finished.failed
-            if budget is not None:
-                assert job.admission is not None
-                budget.finish_job(job.admission, [keys[i] for i in failed])
-            if job.rewrites:
-                # a store that replaced an unloadable file: loadable again
-                failed_keys = {keys[i] for i in failed}
-                self._unloadable.difference_update(
-                    k for k in job.rewrites if k not in failed_keys
-                )
-            if not failed:
-                results.append(JobResult(job_id=finished.job_id, success=True))
-                continue
-            failed_idx = set(failed)
-            successful = [k for i, k in enumerate(keys) if i not in failed_idx]
-            if job.is_load:
-                # A failed load removes the file; one still there cannot be
-                # loaded or removed, and would be promoted forever.
-                for i in failed_idx:
-                    if os.path.lexists(self.file_mapper.get_file_name(keys[i])):
-                        self._unloadable.add(keys[i])
-            results.append(
-                JobResult(
-                    job_id=finished.job_id, success=False, successful_keys=successful
-                )
-            )
-        return results
+        return [
+            self._finish_load(finished)
+            if finished.record.is_load
+            else self._finish_store(finished)
+            for finished in self._pool.get_finished()
+        ]
+
+    def _finish_store(self, finished: FinishedJob) -> JobResult:
+        """A finished store: the keys it wrote are stored (all of them, or
+        those the budget admitted, or those a failure left a file for)."""
+        job: _Job = finished.record
+        outcome = finished.outcomes[0]
+        failed = isinstance(outcome, Exception)
+        written: list[OffloadKey] = (
+            getattr(outcome, "written", []) if failed else outcome
+        )
+        if self._budget is not None:
+            assert job.admission is not None
+            self._budget.finish_job(job.admission, getattr(outcome, "missing", []))
+        if job.rewrites:
+            # a store that replaced an unloadable file: loadable again
+            self._unloadable.difference_update(set(job.rewrites) & set(written))
+        if not failed:
+            return JobResult(job_id=finished.job_id, success=True)
+        return JobResult(
+            job_id=finished.job_id, success=False, successful_keys=list(written)
+        )
+
+    def _finish_load(self, finished: FinishedJob) -> JobResult:
+        """A finished load: a failed block does not fail the others, which
+        are kept in the primary tier (successful_keys)."""
+        job: _Job = finished.record
+        outcome = finished.outcomes[0]
+        keys = job.keys
+        if self._budget is not None:
+            assert job.admission is not None
+            gone = getattr(outcome, "gone", ())
+            self._budget.finish_job(job.admission, [keys[i] for i in gone])
+        if not isinstance(outcome, Exception):
+            return JobResult(job_id=finished.job_id, success=True)
+        self._unloadable.update(keys[i] for i in getattr(outcome, "unloadable", ()))
+        failed = set(getattr(outcome, "failed_indices", range(len(keys))))
+        successful = [k for i, k in enumerate(keys) if i not in failed]
+        return JobResult(
+            job_id=finished.job_id, success=False, successful_keys=successful
+        )
 
     def shutdown(self) -> None:
         """

@@ -573,18 +573,24 @@ class FileSystemTierManager(SecondaryTierManager):
         """Run a store task (on an I/O thread), then re-create config.json if
         the tier's root was removed while running (an operator cleaning a
         cache directory): the store re-created the block directories, which
-        must not be left without the file that says what they hold. Costs a
-        stat per store job. Returns what the store task returned."""
-        keys = store()
+        must not be left without the file that says what they hold, also
+        where the store failed after writing some. Costs a stat per store
+        job. Returns what the store task returned."""
+        try:
+            return store()
+        finally:
+            self._keep_config()
+
+    def _keep_config(self) -> None:
         config_path = self.file_mapper.get_config_file_path()
         if os.path.exists(config_path):
-            return keys
+            return
         with self._config_lock:
             try:
                 written = self._write_config()
             except OSError as e:
                 self._report_config_failure(config_path, e)
-                return keys
+                return
         if written:
             logger.warning(
                 "%s was missing (was the '%s' KV offload tier's directory "
@@ -592,7 +598,6 @@ class FileSystemTierManager(SecondaryTierManager):
                 config_path,
                 self.tier_type,
             )
-        return keys
 
     def _report_config_failure(self, config_path: str, error: OSError) -> None:
         """Rate-limited, with counts (under _config_lock): the first failure
