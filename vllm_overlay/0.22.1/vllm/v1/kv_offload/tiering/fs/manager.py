@@ -667,20 +667,28 @@ class FileSystemTierManager(SecondaryTierManager):
             indices.setdefault(self._group_file(key), []).append(i)
         return indices
 
+    def _paths_and_offsets(
+        self, keys: list[OffloadKey], block_ids: list[int]
+    ) -> tuple[list[str], list[int]]:
+        """Each key's file and its row's offset in the primary tier's view,
+        worked out on the I/O thread: the scheduler's thread only posts."""
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
+        return paths, [bid * self._block_size for bid in block_ids]
+
     def _store_blocks(
         self,
         keys: list[OffloadKey],
-        paths: list[str],
-        offsets: list[int],
+        block_ids: list[int],
         rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
         """A store task (on an I/O thread): writes each group's files of the
-        rows at *offsets* and returns the keys it wrote. The files of
+        rows *block_ids* and returns the keys it wrote. The files of
         *rewrites* (keys whose load failed) are removed first, so that they
         are written anew. A failure raises (once every group was tried) with
         ``missing``, the keys left without a complete file, ``written``, those
         stored (not a rewrite whose file may be the old one), and
         ``failed_indices``, the others' (for the failure report)."""
+        paths, offsets = self._paths_and_offsets(keys, block_ids)
         for key, path in zip(keys, paths):
             if key in rewrites:
                 with contextlib.suppress(OSError):
@@ -720,8 +728,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self,
         admission: Admission,
         keys: list[OffloadKey],
-        paths: list[str],
-        offsets: list[int],
+        block_ids: list[int],
         rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
         """A budgeted store task (on an I/O thread): its job's admission
@@ -739,11 +746,10 @@ class FileSystemTierManager(SecondaryTierManager):
                 if key not in rejected and key not in unreachable
             ]
             keys = [keys[i] for i in kept]
-            paths = [paths[i] for i in kept]
-            offsets = [offsets[i] for i in kept]
+            block_ids = [block_ids[i] for i in kept]
         if evicted:
             self._budget.remove_evicted(evicted)
-        self._store_blocks(keys, paths, offsets, rewrites)
+        self._store_blocks(keys, block_ids, rewrites)
         self._budget.written(admission, keys)
         if rejected:
             refusal = BudgetRejection(
@@ -766,8 +772,7 @@ class FileSystemTierManager(SecondaryTierManager):
         job = _Job(keys, is_load=False)
         if self._unloadable:
             job.rewrites = [key for key in keys if key in self._unloadable]
-        paths = [self.file_mapper.get_file_name(key) for key in keys]
-        offsets = [int(bid) * self._block_size for bid in job_metadata.block_ids]
+        block_ids = job_metadata.block_ids.tolist()
         task: Callable[[], list[OffloadKey]]
         if self._budget is not None:
             # the job's admission (reserving its bytes, evicting first,
@@ -780,13 +785,12 @@ class FileSystemTierManager(SecondaryTierManager):
                 self._store_within_budget,
                 job.admission,
                 keys,
-                paths,
-                offsets,
+                block_ids,
                 frozenset(job.rewrites),
             )
         else:
             task = functools.partial(
-                self._store_blocks, keys, paths, offsets, frozenset(job.rewrites)
+                self._store_blocks, keys, block_ids, frozenset(job.rewrites)
             )
         store = functools.partial(self._store_and_keep_config, task)
         if (
@@ -804,19 +808,18 @@ class FileSystemTierManager(SecondaryTierManager):
         job = _Job(keys, is_load=True)
         if self._budget is not None:
             job.admission = self._budget.pin_load(keys)
-        paths = [self.file_mapper.get_file_name(key) for key in keys]
-        offsets = [int(bid) * self._block_size for bid in job_metadata.block_ids]
-        task = functools.partial(self._load_blocks, keys, paths, offsets)
+        task = functools.partial(
+            self._load_blocks, keys, job_metadata.block_ids.tolist()
+        )
         self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
 
-    def _load_blocks(
-        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
-    ) -> None:
+    def _load_blocks(self, keys: list[OffloadKey], block_ids: list[int]) -> None:
         """A load task (on an I/O thread): each group's files into the rows
-        at *offsets*. A failed block does not stop the others; the first
+        *block_ids*. A failed block does not stop the others; the first
         error is raised once all were tried, with ``failed_indices`` and
         ``integrity_failed`` (indices of *keys*) and what the failed blocks
         left at their paths (_describe_failed_load())."""
+        paths, offsets = self._paths_and_offsets(keys, block_ids)
         first_exc: Exception | None = None
         failed: list[int] = []
         integrity_failed: list[int] = []
