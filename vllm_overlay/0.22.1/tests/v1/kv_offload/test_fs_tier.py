@@ -385,17 +385,17 @@ def test_o_direct_is_probed_again_after_a_transient_failure(
     try:
         (message,) = _io_mode_messages(caplog)
         assert "using buffered I/O" in message
-        assert tier._direct_io is False
+        assert tier._use_o_direct is False
         failing["on"] = False  # space was freed
 
         # within the interval: still buffered, no probe on the store path
         tier.submit_store(make_job(1, [key(1)], [0]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert tier._direct_io is False
+        assert tier._use_o_direct is False
         clock.now += 3600  # much later
         tier.submit_store(make_job(2, [key(2), key(3)], [1, 2]))
         assert [r.success for r in _finish(tier)] == [True]
-        assert tier._direct_io is True, "still buffered after space was freed"
+        assert tier._use_o_direct is True, "still buffered after space was freed"
         assert "using O_DIRECT I/O" in _io_mode_messages(caplog)[-1]
         tier.submit_load(make_job(3, [key(1), key(3)], [3, 0], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
@@ -843,6 +843,68 @@ def test_a_block_whose_read_keeps_failing_is_stored_anew(tmp_path, monkeypatch, 
         tier.submit_load(make_job(4, [key(1)], [2], is_promotion=True))
         assert [r.success for r in _finish(tier)] == [True]
         assert (rows[2] == 4).all(), "the file was kept, not written anew"
+    finally:
+        tier.shutdown()
+
+
+def _make_unloadable(tier, rows, monkeypatch, keys, first_job):
+    """Store *keys*, then fail their loads with EIO: they become misses."""
+    import errno
+
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)
+    real_readv = os.readv
+
+    def failing_readv(fd, buffers):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    for n, k in enumerate(keys):
+        tier.submit_store(make_job(first_job + 2 * n, [k], [0]))
+        assert [r.success for r in _finish(tier)] == [True]
+        monkeypatch.setattr(os, "readv", failing_readv)
+        tier.submit_load(make_job(first_job + 2 * n + 1, [k], [1], is_promotion=True))
+        assert [r.success for r in _finish(tier)] == [False]
+        monkeypatch.setattr(os, "readv", real_readv)
+
+
+def test_a_rewrite_that_cannot_remove_the_old_file_stays_a_miss(tmp_path, monkeypatch):
+    """A store of a key whose file cannot be read (EIO) and cannot be
+    removed (a read-only remount) keeps the old file: the key stays a miss
+    instead of a hit whose every promotion fails."""
+    import errno
+
+    rows = _aligned_rows(4)
+    tier = _make_tier(str(tmp_path), rows, checksum="none")
+    try:
+        _make_unloadable(tier, rows, monkeypatch, [key(1)], 1)
+        path = tier.file_mapper.get_file_name(key(1))
+        real_remove = os.remove
+
+        def read_only(target, *args, **kwargs):
+            if target == path:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            return real_remove(target, *args, **kwargs)
+
+        monkeypatch.setattr(os, "remove", read_only)
+        tier.submit_store(make_job(9, [key(1)], [0]))
+        _finish(tier)
+        assert tier.lookup(key(1), _CTX) is False
+    finally:
+        tier.shutdown()
+
+
+def test_keys_kept_as_misses_are_bounded(tmp_path, monkeypatch):
+    """The keys answered as misses because their files cannot be loaded are
+    at most MAX_UNLOADABLE_KEYS, the oldest going first."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    monkeypatch.setattr(fs_manager, "MAX_UNLOADABLE_KEYS", 2, raising=False)
+    rows = _aligned_rows(4)
+    tier = _make_tier(str(tmp_path), rows, checksum="none")
+    try:
+        _make_unloadable(tier, rows, monkeypatch, [key(1), key(2), key(3)], 1)
+        assert list(tier._unloadable) == [key(2), key(3)]
     finally:
         tier.shutdown()
 

@@ -738,6 +738,24 @@ def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypa
         tier.shutdown()
 
 
+def test_a_directory_in_a_blocks_way_is_not_counted(tmp_path):
+    """A store that fails for a directory it cannot replace counts only the
+    block it wrote, not the directory (before: both, so the budget evicted
+    for bytes never written)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=4 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+        a, b = block_key(1), block_key(2)
+        os.makedirs(os.path.join(tier.file_mapper.get_file_name(a), "not_a_block"))
+        tier.submit_store(make_job(1, [a, b], [0, 1]))
+        assert [r.success for r in drain(tier)] == [False]
+        assert applied(tier._budget).used == page
+    finally:
+        tier.shutdown()
+
+
 def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vllm):
     """An evicted file whose removal fails for another reason than being
     gone (here a directory at its path; a read-only mount alike) is

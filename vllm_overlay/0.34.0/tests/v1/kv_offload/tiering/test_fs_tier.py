@@ -1031,10 +1031,13 @@ def test_store_replaces_what_is_not_a_complete_block(
 
 
 @pytest.mark.parametrize("use_c_ext", [True, False])
-def test_store_fails_for_a_directory_it_cannot_replace(fs_tier, monkeypatch, use_c_ext):
+def test_store_fails_for_a_directory_it_cannot_replace(
+    fs_tier, monkeypatch, use_c_ext, caplog_vllm
+):
     """A non-empty directory where a block file should be cannot be replaced:
     the store job fails instead of reporting that key stored, and the job's
-    other keys are still stored."""
+    other keys are still stored; the failure report counts the one block
+    not stored (before: every block of the job)."""
     import vllm.v1.kv_offload.tiering.fs.io as io_mod
 
     if use_c_ext and not io_mod._HAS_FSIO_C:
@@ -1044,11 +1047,108 @@ def test_store_fails_for_a_directory_it_cannot_replace(fs_tier, monkeypatch, use
     tier, _ = fs_tier
     path = tier.file_mapper.get_file_name(key(1))
     os.makedirs(os.path.join(path, "not_a_block"))
-    tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
-    assert [r.success for r in drain(tier)] == [False]
+    with caplog_vllm.at_level("ERROR"):
+        tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+        assert [r.success for r in drain(tier)] == [False]
     assert os.path.isdir(os.path.join(path, "not_a_block"))
     other = tier.file_mapper.get_file_name(key(2))
     assert os.path.getsize(other) == tier._block_size
+    (report,) = [
+        r.getMessage() for r in caplog_vllm.records if "not stored" in r.getMessage()
+    ]
+    assert "1 store job(s) and 0 load job(s) failed: 1 block(s) not stored" in report
+
+
+@pytest.mark.parametrize("error", ["EIO", "EMFILE"])
+def test_a_block_whose_read_keeps_failing_is_stored_anew(fs_tier, monkeypatch, error):
+    """A complete block file whose read fails for a reason that will not
+    pass (EIO: a bad sector) is a miss from then on, and the next store of
+    its key writes it anew instead of keeping it as stored: the key loads
+    again. A reason that may pass (EMFILE) leaves the key a hit. Before:
+    the key was a hit again after the next store, which kept the file, and
+    every promotion of it failed."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    # the bad read is injected into Python's os.readv
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    tier, tensor = fs_tier
+    tensor[0] = 3.0
+    tier.submit_store(make_job(1, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    path = tier.file_mapper.get_file_name(key(1))
+    real_readv = os.readv
+
+    def failing_readv(fd, buffers):
+        code = getattr(errno, error)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "readv", failing_readv)
+    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    assert [r.success for r in drain(tier)] == [False]
+    monkeypatch.setattr(os, "readv", real_readv)
+    assert os.path.isfile(path)  # a complete block: not removed
+    if error == "EMFILE":
+        assert key(1) not in tier._unloadable  # loaded again, not rewritten
+        return
+    assert lookup_and_wait(tier, [key(1)]) == [LookupResult.MISS]
+    tensor[0] = 4.0
+    tier.submit_store(make_job(3, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    assert lookup_and_wait(tier, [key(1)]) == [LookupResult.HIT]
+    tier.submit_load(make_job(4, [key(1)], [2], is_promotion=True))
+    assert [r.success for r in drain(tier)] == [True]
+    assert (tensor[2] == 4.0).all(), "the file was kept, not written anew"
+
+
+def _make_unloadable(tier, tensor, monkeypatch, keys, first_job):
+    """Store *keys*, then fail their loads with EIO: they become misses."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    real_readv = os.readv
+
+    def failing_readv(fd, buffers):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    for n, k in enumerate(keys):
+        tier.submit_store(make_job(first_job + 2 * n, [k], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        monkeypatch.setattr(os, "readv", failing_readv)
+        tier.submit_load(make_job(first_job + 2 * n + 1, [k], [1], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [False]
+        monkeypatch.setattr(os, "readv", real_readv)
+
+
+def test_a_rewrite_that_cannot_remove_the_old_file_stays_a_miss(fs_tier, monkeypatch):
+    """A store of a key whose file cannot be read (EIO) and cannot be
+    removed (a read-only remount) keeps the old file: the key stays a miss
+    instead of a hit whose every promotion fails."""
+    tier, tensor = fs_tier
+    _make_unloadable(tier, tensor, monkeypatch, [key(1)], 1)
+    path = tier.file_mapper.get_file_name(key(1))
+    real_remove = os.remove
+
+    def read_only(target, *args, **kwargs):
+        if target == path:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_remove(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", read_only)
+    tier.submit_store(make_job(9, [key(1)], [0]))
+    drain(tier)
+    assert key(1) in tier._unloadable
+    assert lookup_and_wait(tier, [key(1)]) == [LookupResult.MISS]
+
+
+def test_keys_kept_as_misses_are_bounded(fs_tier, monkeypatch):
+    """The keys answered as misses because their files cannot be loaded are
+    at most MAX_UNLOADABLE_KEYS, the oldest going first."""
+    from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
+
+    monkeypatch.setattr(fs_manager, "MAX_UNLOADABLE_KEYS", 2, raising=False)
+    tier, tensor = fs_tier
+    _make_unloadable(tier, tensor, monkeypatch, [key(1), key(2), key(3)], 1)
+    assert list(tier._unloadable) == [key(2), key(3)]
 
 
 @pytest.mark.parametrize("size_delta", [-1, 1], ids=["shorter", "longer"])
@@ -1469,6 +1569,39 @@ def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):
             assert f.read() == config
     finally:
         tier.shutdown()
+
+
+def test_unaligned_rows_fall_back_to_buffered_io(tmp_path, caplog_vllm):
+    """Rows that O_DIRECT cannot transfer (1280 bytes, as an unpadded mamba
+    or odd-head-size layout gives) round-trip with buffered I/O instead of
+    failing every job, and the tier says once which mode it uses and why.
+    Before: O_DIRECT where the filesystem has it, and every store failed."""
+    region = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+    rows = np.frombuffer(region, dtype=np.uint8)[: 4 * 1280].reshape(4, 1280)
+    rows[:2] = np.random.default_rng(0).integers(0, 256, (2, 1280), dtype=np.uint8)
+    expected = rows[:2].copy()
+    with caplog_vllm.at_level("INFO"):
+        tier = FileSystemTierManager(
+            offloading_spec=_MOCK_OFFLOADING_SPEC,
+            primary_kv_view=memoryview(rows),
+            tier_type="fs",
+            root_dir=str(tmp_path),
+        )
+    try:
+        tier.submit_store(make_job(1, [key(0), key(1)], [0, 1]))
+        assert [r.success for r in drain(tier)] == [True]
+        tier.submit_load(make_job(2, [key(0), key(1)], [2, 3], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        np.testing.assert_array_equal(rows[2:], expected)
+    finally:
+        tier.shutdown()
+    (message,) = [
+        r.getMessage() for r in caplog_vllm.records if " I/O for " in r.getMessage()
+    ]
+    assert message.startswith(
+        f"'fs' KV offload tier at {tmp_path}: using buffered I/O for "
+        "1280-byte blocks because the primary tier's rows (1280 bytes at address"
+    )
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO", "EINVAL"])

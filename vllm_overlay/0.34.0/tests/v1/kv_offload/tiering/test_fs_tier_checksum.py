@@ -283,7 +283,8 @@ def test_with_key_file_the_mac_checks_the_blocks(tmp_path, caplog_vllm, io_path)
 def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
     """Each block's CRC32C lives in an extended attribute: a root whose
     filesystem has none is refused at start with the setting and the fix,
-    before any thread starts, rather than failing every store."""
+    before any thread starts or file is written (before: config.json was),
+    rather than failing every store."""
 
     def no_xattrs(*args, **kwargs):
         raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
@@ -300,6 +301,8 @@ def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
     assert "each block's CRC32C is kept in one" in message
     assert "Fix: use a root_dir on a filesystem with user xattrs" in message
     assert "or set checksum_blocks to false" in message
+    written = [f for _, _, files in os.walk(tmp_path) for f in files]
+    assert written == [], "a refused start left files behind"
 
 
 def test_checksum_blocks_must_be_a_bool(tmp_path):

@@ -11,6 +11,9 @@ Load path:
     Data is read from the block file directly via os.readv into the
     provided memoryview slice.
 
+File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
+              (hash-based subdirectories to limit directory fan-out)
+
 I/O mode:
     O_DIRECT (bypassing the page cache) when the primary tier's rows are
     page-aligned and the filesystem supports it, else buffered I/O. Decided
@@ -35,28 +38,34 @@ Integrity (the tier config's "checksum", on by default):
     nothing (a warning at start says so) and "crc32c" is refused; "none"
     checks nothing. The same files as the upstream track's checksum_blocks.
 
+File modes (the tier config's "group_access", off by default):
+    KV blocks are users' data. Block files, temp files and config.json are
+    created 0600 and the tier's directories 0700, set exactly whatever the
+    process umask (the Python and the C I/O paths alike); with
+    "group_access": true, 0640 and 2770 (setgid, group writable: the group's
+    engines store into each other's directories), for a root shared by
+    service accounts of one group. Files and directories of the tier's tree
+    with wider modes (from before, or made by hand) are counted by the
+    start-up walk and reported once, with an example and the fix.
+
+Trust (see fs/security.py):
+    A root (or a parent) that others can write or that another user owns is
+    refused at start with a ValueError naming the path, its mode and owner,
+    and the fix. Block files are opened with O_NOFOLLOW and looked up with
+    lstat: a symbolic link at a block's path is a miss, never read through;
+    a store replaces it with the block.
+
 Keyed namespace (the tier config's "key_file", off by default):
     For a store shared by several engines (NFS, a PVC): with a key read from
     a private file (fs/security.py), block files are named by a keyed hash
     of the block hash and carry an HMAC-SHA256 of the block's identity
-    (layout and key) and bytes in the extended attribute user.vllm.kv_mac
-    (the root must have user xattrs), checked on load.
-    Without the key nobody can compute where a prefix's block lives, test
-    whether it is cached, or plant a file that loads: a planted or altered
-    file is a miss, counted in the rate-limited failure report. Engines
-    sharing a root share the key; another key is another namespace.
-
-File modes (the tier config's "group_access", off by default):
-    KV blocks are users' data. Block files, temp files and config.json are
-    created 0600 and the tier's directories 0700, set exactly whatever the
-    process umask; with "group_access": true, 0640 and 2770 (setgid, group
-    writable: the group's engines store into each other's directories), for
-    a root shared by service accounts of one group. Files and directories of the
-    tier's tree with wider modes (from before, or made by hand) are counted
-    by the start-up walk and reported once, with an example and the fix.
-    A root (or a parent) that others can write or that another user owns is
-    refused at start (fs/security.py). Block files are opened with
-    O_NOFOLLOW: a symbolic link at a block's path is a miss, never read.
+    (layout and key) and bytes in an extended attribute (fs/io.py BlockMac),
+    checked on load. Without the key nobody can compute where a prefix's
+    block lives, test whether it is cached, or plant a file that loads: a
+    planted or altered file is a miss, removed, and counted in the
+    rate-limited failure report. Engines sharing a root share the key file;
+    another key is another namespace. The root must support user extended
+    attributes (checked at start).
 
 Budget (the tier config's "max_bytes", unbounded by default):
     The layout's files on the root never exceed max_bytes by more than one
@@ -64,15 +73,12 @@ Budget (the tier config's "max_bytes", unbounded by default):
     counts the others' stores through their ledgers). A store evicts first,
     whole chunks (every group's file) of the least recently used prefix
     tails, never a chunk with a transfer in flight; a store that cannot fit
-    fails for the keys that do not. Existing files are indexed at start,
-    in the background. See budget.py. The root's other layouts (an earlier
-    version's, another model's) are not counted: they are named at start,
-    for their owner to remove, least recently used first, with how long ago
-    (a running tier sets its layout directory's mtime hourly), so that a
-    layout nobody runs is told from a live one.
-
-File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
-              (hash-based subdirectories to limit directory fan-out)
+    fails for the keys that do not. Existing files are indexed at start, in
+    the background, in the order of their times. See budget.py. The root's
+    other layouts (an earlier version's, another model's) are not counted:
+    they are named at start, for their owner to remove, least recently used
+    first, with how long ago (a running tier sets its layout directory's
+    mtime hourly), so that a layout nobody runs is told from a live one.
 """
 
 import contextlib
@@ -151,15 +157,22 @@ REPROBE_INTERVAL_S = 60.0
 # Load errors that may pass (too many open files, memory, a signal): the
 # file is loaded again later, not rewritten.
 TRANSIENT_LOAD_ERRNOS = frozenset(
-    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
+    {
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENOMEM,
+        errno.EINTR,
+        errno.EAGAIN,
+        errno.ESTALE,  # NFS: a file handle that a new open renews
+        errno.ETIMEDOUT,
+    }
 )
+# The most keys kept as misses because their file cannot be loaded: beyond
+# it the oldest go (such a key fails one more load, then is kept again).
+MAX_UNLOADABLE_KEYS = 1 << 16
 # lookup() without a request: its hits order like a request's unpositioned
 # keys (recency)
 _NO_REQUEST = ReqContext(req_id="")
-
-
-def _keyed_chunk_id(file_stem: Callable[[bytes], str], block_hash: bytes) -> bytes:
-    return bytes.fromhex(file_stem(block_hash))
 
 
 def view_address(view: memoryview) -> int:
@@ -181,8 +194,9 @@ def _check_settings(tier_type: str, stale_s: object, group_access: object) -> No
         or stale_s < 0
     ):
         raise ValueError(
-            f"cleanup_stale_tmp_after_seconds of the '{tier_type}' tier must "
-            f"be a number of seconds >= 0 or null (no cleanup), got {stale_s!r}"
+            "cleanup_stale_tmp_after_seconds of the "
+            f"'{tier_type}' tier must be a number of seconds >= 0 or null "
+            f"(no cleanup), got {stale_s!r}"
         )
     if not isinstance(group_access, bool):
         raise ValueError(
@@ -214,6 +228,46 @@ def _check_checksum(tier_type: str, checksum: object, tier_key: object) -> None:
             f"Unknown checksum {checksum!r} in the '{tier_type}' tier's "
             f"config: set 'checksum' to one of {list(CHECKSUMS)}"
         )
+
+
+def _remove_old_files(
+    keys: list[OffloadKey], paths: list[str], rewrites: Collection[OffloadKey]
+) -> dict[str, os.stat_result]:
+    """Remove the files of *rewrites* (keys whose load failed), so that a
+    store writes them anew; returns those it could not remove (a directory,
+    a read-only mount), by path, as they were."""
+    kept: dict[str, os.stat_result] = {}
+    for key, path in zip(keys, paths):
+        if key in rewrites:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                with contextlib.suppress(OSError):
+                    kept[path] = os.lstat(path)
+    return kept
+
+
+def _kept_old(
+    keys: list[OffloadKey], paths: list[str], old_files: dict[str, os.stat_result]
+) -> set[OffloadKey]:
+    """The keys whose old file (see _remove_old_files()) is still there."""
+    kept: set[OffloadKey] = set()
+    for key, path in zip(keys, paths):
+        if path in old_files:
+            old = old_files[path]
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) == (
+                old.st_dev,
+                old.st_ino,
+                old.st_mtime_ns,
+            ):
+                kept.add(key)
+    return kept
 
 
 @dataclass
@@ -249,8 +303,8 @@ class FileSystemTierManager(SecondaryTierManager):
         root_dir: Root directory for block files.
         n_read_threads: Number of read-priority I/O threads.
         n_write_threads: Number of write-priority I/O threads.
-        cleanup_stale_tmp_after_seconds: At start-up, remove the tier's
-            temp files not modified for this long (left by writers
+        cleanup_stale_tmp_after_seconds: At start-up, remove the temp files
+            under root_dir not modified for this long (left by writers
             killed between writing a block and renaming it); None: never.
         checksum: "auto" (the default), "crc32c" or "none": keep each
             block's CRC32C in an extended attribute of its file and check
@@ -258,18 +312,18 @@ class FileSystemTierManager(SecondaryTierManager):
             makes the key a miss. "auto" checks nothing where the root has
             no user xattrs (a warning at start says so); "crc32c" is
             refused there.
-        group_access: create files 0640 and directories 2770 (the
-            group's engines read blocks and store into each other's
-            directories) instead of 0600 and 0700.
-        key_file: path of a private file holding a secret of at least
-            32 bytes (never the secret itself): a keyed namespace for a
-            shared root. File names become a keyed hash of the block
-            hash, and each block file carries an HMAC-SHA256 of the
-            block's identity and bytes, checked on load (a mismatch is
-            a miss). Engines sharing a root share the key file; another
-            key is another namespace. Replaces 'checksum'.
-        max_bytes: the most bytes this tier's files may take on disk
-            (at least one chunk of every KV cache group); None: no limit.
+        group_access: create files 0640 and directories 2770 (the group's
+            engines read blocks and store into each other's directories)
+            instead of 0600 and 0700.
+        key_file: path of a private file holding a secret of at least 32
+            bytes (never the secret itself): a keyed namespace for a shared
+            root. File names become a keyed hash of the block hash, and each
+            block file carries an HMAC-SHA256 of the block's identity and
+            bytes, checked on load (a mismatch is a miss). Engines sharing a
+            root share the key file; another key is another namespace.
+            Replaces 'checksum'.
+        max_bytes: the most bytes this tier's files may take on disk (at
+            least one chunk of every KV cache group); None: no limit.
             Engines sharing root_dir share it: set the same on each.
     """
 
@@ -324,11 +378,13 @@ class FileSystemTierManager(SecondaryTierManager):
 
         self._probe_root(root_dir)
 
-        # Keys whose load failed and whose file could not be removed (a
-        # directory, a file on a read-only or immutable mount): answered as
-        # misses, so that the scheduler does not promote them again and
-        # again, until a store of the key (which replaces the file) succeeds.
-        self._unloadable: set[OffloadKey] = set()
+        # Keys whose load failed and whose path still holds something that
+        # is not a loadable block (a directory, a file that failed its check
+        # on a read-only mount, a file whose read fails for good): answered
+        # as misses, so that no request promotes them again, until a store
+        # of the key (which writes its file anew) succeeds. Scheduler thread;
+        # at most MAX_UNLOADABLE_KEYS, oldest first out.
+        self._unloadable: dict[OffloadKey, None] = {}
 
         self._pool = DualQueueThreadPool(
             n_read_threads,
@@ -410,10 +466,12 @@ class FileSystemTierManager(SecondaryTierManager):
             if tier_key is not None
             else ("checksum", "CRC32C", "set checksum to 'none'")
         )
+        make_dirs(root_dir, self._modes)
         try:
-            make_dirs(root_dir, self._modes)
             probe_xattr(root_dir)
         except OSError as e:
+            if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                raise  # not about xattrs (EROFS, EACCES): as it is
             if tier_key is None and checksum == "auto":
                 self._checksum = False
                 logger.warning(
@@ -443,39 +501,43 @@ class FileSystemTierManager(SecondaryTierManager):
     def _probe_root(self, root_dir: str) -> None:
         """Probe the layout directory for O_DIRECT; blocks are read and
         written with it only where the primary tier's rows are page-aligned
-        (a group file is then page-aligned in place, or gathered)."""
-        self._probe_dir = os.path.dirname(self.file_mapper.get_config_file_path())
-        view = self._primary_kv_view.cast("B")
-        address = view_address(view)
+        (O_DIRECT fails every other transfer with EINVAL)."""
+        # Prefer O_DIRECT to bypass the page cache, but fall back to buffered
+        # I/O on filesystems that reject it (e.g. overlayfs, some NFS mounts)
+        # rather than failing every block.
+        self._o_direct_dir = os.path.dirname(self.file_mapper.get_config_file_path())
+        address = view_address(self._primary_kv_view.cast("B"))
         self._reprobe_at: float | None = None  # None: never
         reason = None
         if self._block_size % mmap.PAGESIZE or address % mmap.PAGESIZE:
-            self._direct_io = False
+            self._use_o_direct = False
             reason = (
                 f"the primary tier's rows ({self._block_size} bytes at address "
                 f"{address:#x}) are not aligned to the page size ({mmap.PAGESIZE})"
             )
         else:
             try:
-                self._direct_io = probe_o_direct(self._probe_dir)
+                self._use_o_direct = probe_o_direct(self._o_direct_dir)
             except OSError as e:  # says nothing about O_DIRECT: probe again
-                self._direct_io = False
+                self._use_o_direct = False
                 self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
                 reason = (
                     f"the O_DIRECT probe failed ({e}); probing again in "
                     f"{REPROBE_INTERVAL_S:.0f} s"
                 )
             else:
-                if not self._direct_io:
+                if not self._use_o_direct:
                     reason = "O_DIRECT I/O is not supported here"
-        if self._direct_io:
+        if self._use_o_direct:
             logger.info(
                 "%s: using O_DIRECT I/O for %d-byte blocks",
                 self._label,
                 self._block_size,
             )
         else:
-            logger.info(
+            # a warning where O_DIRECT may work once the failure passes
+            log = logger.warning if self._reprobe_at is not None else logger.info
+            log(
                 "%s: using buffered I/O for %d-byte blocks because %s",
                 self._label,
                 self._block_size,
@@ -486,18 +548,17 @@ class FileSystemTierManager(SecondaryTierManager):
         """Walk the tier's files in the background (the walk can be long):
         remove the temp files of writers that died between writing a block
         and renaming it into place, and count files with wider modes than
-        the tier's. This rank's block directory, and the config's (the
-        O_DIRECT probe's and config.json's)."""
-        self._stop_tmp_cleanup = threading.Event()
-        block_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
+        the tier's."""
+        self._tmp_cleanup_stop = threading.Event()
+        rank_dir = f"{self.file_mapper.base_path}_r{self.file_mapper.rank}"
         self._tmp_cleanup = _start_thread(
             scan_and_report,
             self._label,
-            (os.path.dirname(self.file_mapper.get_config_file_path()), block_dir),
+            [rank_dir, self._o_direct_dir],
             max_age_s,
             self._modes,
             root_dir,
-            self._stop_tmp_cleanup,
+            self._tmp_cleanup_stop,
             name="vllm_kv_py_fs_tmp_cleanup",
         )
 
@@ -510,8 +571,12 @@ class FileSystemTierManager(SecondaryTierManager):
         assert self._max_bytes is not None
         chunk_id: Callable[[bytes], bytes] | None = None
         if tier_key is not None:
-            # keyed files: the budget indexes chunks by their file names
-            chunk_id = functools.partial(_keyed_chunk_id, tier_key.file_stem)
+            file_stem = tier_key.file_stem
+
+            def chunk_id(block_hash: bytes) -> bytes:
+                # keyed files: the budget indexes chunks by their file names
+                return bytes.fromhex(file_stem(block_hash))
+
         budget = FsTierBudget(
             self._max_bytes,
             self._file_sizes,
@@ -626,33 +691,29 @@ class FileSystemTierManager(SecondaryTierManager):
             return budget.on_hit(key, ctx.req_id, ctx.offload_key_positions())
         return True
 
-    def _reprobe_direct_io(self) -> None:
-        """Probe O_DIRECT again after a transient failure (on an I/O thread,
-        before a store): switch to it if it works now, else keep buffered
-        I/O and, if the failure may still pass, probe again later."""
-        try:
-            self._direct_io = probe_o_direct(self._probe_dir)
-        except OSError:
-            self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
-            return
-        if self._direct_io:
-            logger.info(
-                "%s: the O_DIRECT probe succeeded this time; "
-                "using O_DIRECT I/O for %d-byte blocks",
-                self._label,
-                self._block_size,
-            )
-        else:
-            logger.info(
-                "%s: keeping buffered I/O because O_DIRECT I/O is not supported here",
-                self._label,
-            )
-
-    def _store_and_reprobe(
+    def _store_and_reprobe_o_direct(
         self, store: Callable[[], list[OffloadKey]]
     ) -> list[OffloadKey]:
-        self._reprobe_direct_io()
-        return store()
+        """Run a store task, then probe O_DIRECT again after a transient
+        failure (on an I/O thread): switch to it if it works now (blocks are
+        the same bytes in both modes), else probe again later while the
+        failure may pass. Returns what the store task returned."""
+        try:
+            return store()
+        finally:
+            try:
+                self._use_o_direct = probe_o_direct(self._o_direct_dir)
+            except OSError:
+                self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+            else:
+                logger.info(
+                    "The O_DIRECT probe at '%s' %s; using %s I/O for the '%s' "
+                    "KV offload tier.",
+                    self._o_direct_dir,
+                    "succeeded" if self._use_o_direct else "failed",
+                    "O_DIRECT" if self._use_o_direct else "buffered",
+                    self.tier_type,
+                )
 
     def _group_file(self, key: OffloadKey) -> GroupFile:
         """What *key*'s file holds of a row (whole rows for an unknown group)."""
@@ -667,32 +728,55 @@ class FileSystemTierManager(SecondaryTierManager):
             indices.setdefault(self._group_file(key), []).append(i)
         return indices
 
+    def _file_size(self, key: OffloadKey) -> int:
+        """The size of *key*'s block file: its group's useful bytes of a row."""
+        return self._group_file(key).size
+
     def _paths_and_offsets(
-        self, keys: list[OffloadKey], block_ids: list[int]
+        self, keys: list[OffloadKey], rows: list[int]
     ) -> tuple[list[str], list[int]]:
         """Each key's file and its row's offset in the primary tier's view,
         worked out on the I/O thread: the scheduler's thread only posts."""
         paths = [self.file_mapper.get_file_name(key) for key in keys]
-        return paths, [bid * self._block_size for bid in block_ids]
+        return paths, [row * self._block_size for row in rows]
 
     def _store_blocks(
         self,
         keys: list[OffloadKey],
-        block_ids: list[int],
+        rows: list[int],
         rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
-        """A store task (on an I/O thread): writes each group's files of the
-        rows *block_ids* and returns the keys it wrote. The files of
-        *rewrites* (keys whose load failed) are removed first, so that they
-        are written anew. A failure raises (once every group was tried) with
+        """A store task (on an I/O thread): writes the blocks of *rows* and
+        returns the keys it wrote. The files of *rewrites* (keys whose load
+        failed) are removed first, so that they are written anew; one whose
+        old file is still there after the store is not returned. A failure raises with
         ``missing``, the keys left without a complete file, ``written``, those
-        stored (not a rewrite whose file may be the old one), and
-        ``failed_indices``, the others' (for the failure report)."""
-        paths, offsets = self._paths_and_offsets(keys, block_ids)
-        for key, path in zip(keys, paths):
-            if key in rewrites:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
+        stored, and ``failed_indices``, the others' (for the failure report)."""
+        paths, offsets = self._paths_and_offsets(keys, rows)
+        old_files = _remove_old_files(keys, paths, rewrites)
+        try:
+            self._write_rows(keys, paths, offsets)
+        except Exception as exc:  # whatever the store raised
+            missing = [
+                k
+                for k, p in zip(keys, paths)
+                if not is_block_path(p) or holds_no_block(p, self._file_size(k))
+            ]
+            not_written = _kept_old(keys, paths, old_files).union(missing)
+            exc.missing = missing  # type: ignore[attr-defined]
+            exc.written = [k for k in keys if k not in not_written]  # type: ignore[attr-defined]
+            exc.failed_indices = [  # type: ignore[attr-defined]
+                i for i, k in enumerate(keys) if k in not_written
+            ]
+            raise
+        kept_old = _kept_old(keys, paths, old_files)
+        return [k for k in keys if k not in kept_old]
+
+    def _write_rows(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> None:
+        """Write each group's files of the rows at *offsets* of the primary
+        tier's view (raises once every group was tried)."""
         first_exc: Exception | None = None
         for group_file, idx in self._by_group(keys).items():
             try:
@@ -701,7 +785,7 @@ class FileSystemTierManager(SecondaryTierManager):
                     [paths[i] for i in idx],
                     self._primary_kv_view,
                     [offsets[i] for i in idx],
-                    self._direct_io,
+                    self._use_o_direct,
                     self._modes,
                     self._mac,
                     [keys[i] for i in idx],
@@ -710,25 +794,13 @@ class FileSystemTierManager(SecondaryTierManager):
             except Exception as exc:  # whatever the store raised
                 first_exc = first_exc or exc
         if first_exc is not None:
-            missing = [
-                k
-                for k, p in zip(keys, paths)
-                if not is_block_path(p) or holds_no_block(p, self._group_file(k).size)
-            ]
-            not_written = set(missing).union(rewrites)
-            first_exc.missing = missing  # type: ignore[attr-defined]
-            first_exc.written = [k for k in keys if k not in not_written]  # type: ignore[attr-defined]
-            first_exc.failed_indices = [  # type: ignore[attr-defined]
-                i for i, k in enumerate(keys) if k in not_written
-            ]
             raise first_exc
-        return keys
 
     def _store_within_budget(
         self,
         admission: Admission,
         keys: list[OffloadKey],
-        block_ids: list[int],
+        rows: list[int],
         rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
         """A budgeted store task (on an I/O thread): its job's admission
@@ -746,10 +818,10 @@ class FileSystemTierManager(SecondaryTierManager):
                 if key not in rejected and key not in unreachable
             ]
             keys = [keys[i] for i in kept]
-            block_ids = [block_ids[i] for i in kept]
+            rows = [rows[i] for i in kept]
         if evicted:
             self._budget.remove_evicted(evicted)
-        self._store_blocks(keys, block_ids, rewrites)
+        stored = self._store_blocks(keys, rows, rewrites)
         self._budget.written(admission, keys)
         if rejected:
             refusal = BudgetRejection(
@@ -758,9 +830,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"max_bytes={self._max_bytes}, every indexed block file is in "
                 "use by a transfer",
             )
-            refusal.written = keys  # type: ignore[attr-defined]
+            refusal.written = stored  # type: ignore[attr-defined]
             raise refusal
-        return keys
+        return stored
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         keys = list(job_metadata.keys)
@@ -772,7 +844,7 @@ class FileSystemTierManager(SecondaryTierManager):
         job = _Job(keys, is_load=False)
         if self._unloadable:
             job.rewrites = [key for key in keys if key in self._unloadable]
-        block_ids = job_metadata.block_ids.tolist()
+        rows = job_metadata.block_ids.tolist()
         task: Callable[[], list[OffloadKey]]
         if self._budget is not None:
             # the job's admission (reserving its bytes, evicting first,
@@ -785,22 +857,18 @@ class FileSystemTierManager(SecondaryTierManager):
                 self._store_within_budget,
                 job.admission,
                 keys,
-                block_ids,
+                rows,
                 frozenset(job.rewrites),
             )
         else:
             task = functools.partial(
-                self._store_blocks, keys, block_ids, frozenset(job.rewrites)
+                self._store_blocks, keys, rows, frozenset(job.rewrites)
             )
         store = functools.partial(self._store_and_keep_config, task)
-        if (
-            self._reprobe_at is not None
-            and keys
-            and time.monotonic() >= self._reprobe_at
-        ):
-            # this job's I/O thread probes first (off the scheduler's thread)
+        if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
+            # This job's I/O thread probes O_DIRECT again after its store.
             self._reprobe_at = None
-            store = functools.partial(self._store_and_reprobe, store)
+            store = functools.partial(self._store_and_reprobe_o_direct, store)
         self._pool.enqueue_store(job_metadata.job_id, 1, [store], job, len(keys))
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
@@ -813,13 +881,27 @@ class FileSystemTierManager(SecondaryTierManager):
         )
         self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
 
-    def _load_blocks(self, keys: list[OffloadKey], block_ids: list[int]) -> None:
-        """A load task (on an I/O thread): each group's files into the rows
-        *block_ids*. A failed block does not stop the others; the first
-        error is raised once all were tried, with ``failed_indices`` and
-        ``integrity_failed`` (indices of *keys*) and what the failed blocks
-        left at their paths (_describe_failed_load())."""
-        paths, offsets = self._paths_and_offsets(keys, block_ids)
+    def _load_blocks(self, keys: list[OffloadKey], rows: list[int]) -> None:
+        """A load task (on an I/O thread): the blocks into *rows*. A failed
+        block does not stop the others; the first error is raised once all
+        were tried, with ``failed_indices`` and ``integrity_failed`` (indices
+        of *keys*) and what the failed blocks left at their paths
+        (_describe_failed_load())."""
+        paths, offsets = self._paths_and_offsets(keys, rows)
+        try:
+            self._read_rows(keys, paths, offsets)
+        except Exception as exc:  # whatever the load raised
+            if getattr(exc, "failed_indices", None) is None:
+                exc.failed_indices = list(range(len(keys)))  # type: ignore[attr-defined]
+            self._describe_failed_load(exc, keys, paths)
+            raise
+
+    def _read_rows(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> None:
+        """Read each group's files into the rows at *offsets* of the primary
+        tier's view; the first error is raised once every group was tried,
+        with ``failed_indices`` and ``integrity_failed`` of all groups."""
         first_exc: Exception | None = None
         failed: list[int] = []
         integrity_failed: list[int] = []
@@ -830,7 +912,7 @@ class FileSystemTierManager(SecondaryTierManager):
                     [paths[i] for i in idx],
                     self._primary_kv_view,
                     [offsets[i] for i in idx],
-                    self._direct_io,
+                    self._use_o_direct,
                     self._mac,
                     [keys[i] for i in idx],
                     self._checksum,
@@ -844,7 +926,6 @@ class FileSystemTierManager(SecondaryTierManager):
         if first_exc is not None:
             first_exc.failed_indices = sorted(set(failed))  # type: ignore[attr-defined]
             first_exc.integrity_failed = sorted(integrity_failed)  # type: ignore[attr-defined]
-            self._describe_failed_load(first_exc, keys, paths)
             raise first_exc
 
     def _describe_failed_load(
@@ -859,11 +940,11 @@ class FileSystemTierManager(SecondaryTierManager):
         the budget forgets (gone, or not a block kept; a file whose read
         failed is still there and still counted)."""
         failed = exc.failed_indices  # type: ignore[attr-defined]
-        integrity_failed = set(exc.integrity_failed)  # type: ignore[attr-defined]
+        integrity_failed = set(getattr(exc, "integrity_failed", ()))
         kept_broken = {
             i
             for i in failed
-            if holds_no_block(paths[i], self._group_file(keys[i]).size)
+            if holds_no_block(paths[i], self._file_size(keys[i]))
             or (i in integrity_failed and os.path.lexists(paths[i]))
         }
         lasting = getattr(exc, "errno", None) not in TRANSIENT_LOAD_ERRNOS
@@ -875,6 +956,11 @@ class FileSystemTierManager(SecondaryTierManager):
         exc.gone = [  # type: ignore[attr-defined]
             i for i in failed if i in kept_broken or not is_block_path(paths[i])
         ]
+        # Surfaces errno (e.g. EMFILE "Too many open files") for both the C
+        # and Python load paths.
+        logger.debug(
+            "Load of %d blocks failed for %d blocks: %s", len(paths), len(failed), exc
+        )
 
     def get_finished(self) -> Iterable[JobResult]:
         """Collect finished jobs; a failed load marks only its failed keys
@@ -906,12 +992,21 @@ class FileSystemTierManager(SecondaryTierManager):
             self._budget.finish_job(job.admission, getattr(outcome, "missing", []))
         if job.rewrites:
             # a store that replaced an unloadable file: loadable again
-            self._unloadable.difference_update(set(job.rewrites) & set(written))
+            for key in set(job.rewrites).intersection(written):
+                self._unloadable.pop(key, None)
         if not failed:
             return JobResult(job_id=finished.job_id, success=True)
         return JobResult(
             job_id=finished.job_id, success=False, successful_keys=list(written)
         )
+
+    def _mark_unloadable(self, keys: Iterable[OffloadKey]) -> None:
+        """Answer *keys* as misses until stored again (most recent last)."""
+        for key in keys:
+            self._unloadable.pop(key, None)
+            self._unloadable[key] = None
+        while len(self._unloadable) > MAX_UNLOADABLE_KEYS:
+            del self._unloadable[next(iter(self._unloadable))]
 
     def _finish_load(self, finished: FinishedJob) -> JobResult:
         """A finished load: a failed block does not fail the others, which
@@ -925,7 +1020,7 @@ class FileSystemTierManager(SecondaryTierManager):
             self._budget.finish_job(job.admission, [keys[i] for i in gone])
         if not isinstance(outcome, Exception):
             return JobResult(job_id=finished.job_id, success=True)
-        self._unloadable.update(keys[i] for i in getattr(outcome, "unloadable", ()))
+        self._mark_unloadable(keys[i] for i in getattr(outcome, "unloadable", ()))
         failed = set(getattr(outcome, "failed_indices", range(len(keys))))
         successful = [k for i, k in enumerate(keys) if i not in failed]
         return JobResult(
@@ -939,7 +1034,7 @@ class FileSystemTierManager(SecondaryTierManager):
         Shuts down the thread pool, clearing pending tasks and waiting for
         active threads to complete.
         """
-        self._stop_tmp_cleanup.set()
+        self._tmp_cleanup_stop.set()
         self._tmp_cleanup.join()
         self._marker.stop()
         self._pool.shutdown(wait=True)

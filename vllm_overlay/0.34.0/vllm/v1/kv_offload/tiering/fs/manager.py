@@ -13,6 +13,14 @@ Load path:
 File naming:  <base_path>_r<rank>/<hhh>/<hh>_g<group_idx>/<hash_hex>.bin
               (hash-based subdirectories to limit directory fan-out)
 
+I/O mode:
+    O_DIRECT (bypassing the page cache) when the primary tier's rows are
+    page-aligned and the filesystem supports it, else buffered I/O. Decided
+    at start by probe_o_direct(), and logged with the reason. A probe that
+    failed for a reason that may pass (a full disk, an I/O error) is run
+    again, by the first store at least REPROBE_INTERVAL_S later, until it
+    succeeds or fails for good.
+
 File modes (the tier config's "group_access", off by default):
     KV blocks are users' data. Block files, temp files and config.json are
     created 0600 and the tier's directories 0700, set exactly whatever the
@@ -68,13 +76,16 @@ Budget (the tier config's "max_bytes", unbounded by default):
     mtime hourly), so that a layout nobody runs is told from a live one.
 """
 
+import contextlib
+import ctypes
 import errno
 import functools
 import json
+import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,6 +164,22 @@ logger = init_logger(__name__)
 # After an O_DIRECT probe failed for a reason that may pass (a full disk, an
 # I/O error), probe again after the first store at least this much later.
 REPROBE_INTERVAL_S = 60.0
+# Load errors that may pass (too many open files, memory, a signal): the
+# file is loaded again later, not rewritten.
+TRANSIENT_LOAD_ERRNOS = frozenset(
+    {
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENOMEM,
+        errno.EINTR,
+        errno.EAGAIN,
+        errno.ESTALE,  # NFS: a file handle that a new open renews
+        errno.ETIMEDOUT,
+    }
+)
+# The most keys kept as misses because their file cannot be loaded: beyond
+# it the oldest go (such a key fails one more load, then is kept again).
+MAX_UNLOADABLE_KEYS = 1 << 16
 
 # The budget's metrics (see get_stats()), labeled by tier type.
 BUDGET_USED_BYTES = "vllm:kv_offload_fs_budget_used_bytes"
@@ -205,6 +232,11 @@ def _file_mapper(
     )
 
 
+def view_address(view: memoryview) -> int:
+    """Where a (writable) byte view's memory starts."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+
+
 def _start_thread(target: Callable, *args: Any, name: str) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     thread.start()
@@ -235,6 +267,46 @@ def _check_settings(
             f"checksum_blocks of the '{tier_type}' tier must be true or "
             f"false, got {checksum_blocks!r}"
         )
+
+
+def _remove_old_files(
+    keys: list[OffloadKey], paths: list[str], rewrites: Collection[OffloadKey]
+) -> dict[str, os.stat_result]:
+    """Remove the files of *rewrites* (keys whose load failed), so that a
+    store writes them anew; returns those it could not remove (a directory,
+    a read-only mount), by path, as they were."""
+    kept: dict[str, os.stat_result] = {}
+    for key, path in zip(keys, paths):
+        if key in rewrites:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                with contextlib.suppress(OSError):
+                    kept[path] = os.lstat(path)
+    return kept
+
+
+def _kept_old(
+    keys: list[OffloadKey], paths: list[str], old_files: dict[str, os.stat_result]
+) -> set[OffloadKey]:
+    """The keys whose old file (see _remove_old_files()) is still there."""
+    kept: set[OffloadKey] = set()
+    for key, path in zip(keys, paths):
+        if path in old_files:
+            old = old_files[path]
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) == (
+                old.st_dev,
+                old.st_ino,
+                old.st_mtime_ns,
+            ):
+                kept.add(key)
+    return kept
 
 
 @dataclass
@@ -347,12 +419,13 @@ class FileSystemTierManager(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
 
         self.events = self._kv_events(enable_kv_events, offloading_spec)
-        # Keys whose path holds something that is not a block and could not be
-        # removed (a directory, a bad file on a read-only mount): answered as
-        # misses, so that no request promotes them again, until a store of the
-        # key succeeds (a store replaces anything that is not a complete
-        # block, or fails). Bounded by the broken paths on disk.
-        self._unloadable: set[OffloadKey] = set()
+        # Keys whose load failed and whose path still holds something that
+        # is not a loadable block (a directory, a file that failed its check
+        # on a read-only mount, a file whose read fails for good): answered
+        # as misses, so that no request promotes them again, until a store
+        # of the key (which writes its file anew) succeeds. Scheduler thread;
+        # at most MAX_UNLOADABLE_KEYS, oldest first out.
+        self._unloadable: dict[OffloadKey, None] = {}
 
         self._block_size: int = self.block_size_bytes  # a row of the view
         num_groups = len(offloading_spec.config.groups)
@@ -361,7 +434,7 @@ class FileSystemTierManager(SecondaryTierManager):
         )
 
         self.file_mapper = _file_mapper(root_dir, offloading_spec, tier_key)
-        self._init_integrity(tier_key, checksum_blocks)
+        self._init_integrity(tier_key, checksum_blocks, root_dir)
 
         self._config_lock = threading.Lock()
         self._config_failures = 0  # since the last warning (under _config_lock)
@@ -425,7 +498,9 @@ class FileSystemTierManager(SecondaryTierManager):
             name="vllm_kv_py_fs_tmp_cleanup",
         )
 
-    def _init_integrity(self, tier_key: TierKey | None, checksum_blocks: bool) -> None:
+    def _init_integrity(
+        self, tier_key: TierKey | None, checksum_blocks: bool, root_dir: str
+    ) -> None:
         """What each block file carries: its MAC (key_file) or CRC32C
         (checksum_blocks), or nothing."""
         self._mac: BlockMac | None = None
@@ -455,38 +530,70 @@ class FileSystemTierManager(SecondaryTierManager):
         # by get_stats()
         self._checksum_failures = 0
         self._checksum_reported = 0
+        # before anything is written: a root refused for xattrs keeps nothing
+        self._probe_xattr(root_dir)
 
     def _probe_root(self, root_dir: str) -> None:
-        """Probe the layout directory for O_DIRECT and, where a MAC or
-        CRC32C is kept, for user extended attributes."""
+        """Probe the layout directory for O_DIRECT; blocks are read and
+        written with it only where the primary tier's rows are page-aligned
+        (O_DIRECT fails every other transfer with EINVAL)."""
         # Prefer O_DIRECT to bypass the page cache, but fall back to buffered
         # I/O on filesystems that reject it (e.g. overlayfs, some NFS mounts)
         # rather than failing every block.
         self._o_direct_dir = os.path.dirname(self.file_mapper.get_config_file_path())
+        address = view_address(self._primary_kv_view.cast("B"))
         self._reprobe_at: float | None = None  # None: never
-        try:
-            self._use_o_direct = probe_o_direct(self._o_direct_dir)
-        except OSError as e:
-            # Says nothing about O_DIRECT support: buffered I/O for now.
+        reason = None
+        if self._block_size % mmap.PAGESIZE or address % mmap.PAGESIZE:
             self._use_o_direct = False
-            self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
-            logger.warning(
-                "The O_DIRECT probe at '%s' failed (%s); using buffered I/O "
-                "for the '%s' KV offload tier and probing again in %.0f s.",
-                root_dir,
-                e,
-                self.tier_type,
-                REPROBE_INTERVAL_S,
+            reason = (
+                f"the primary tier's rows ({self._block_size} bytes at address "
+                f"{address:#x}) are not aligned to the page size ({mmap.PAGESIZE})"
             )
+        else:
+            try:
+                self._use_o_direct = probe_o_direct(self._o_direct_dir)
+            except OSError as e:  # says nothing about O_DIRECT: probe again
+                self._use_o_direct = False
+                self._reprobe_at = time.monotonic() + REPROBE_INTERVAL_S
+                reason = (
+                    f"the O_DIRECT probe failed ({e}); probing again in "
+                    f"{REPROBE_INTERVAL_S:.0f} s"
+                )
+            else:
+                if not self._use_o_direct:
+                    reason = "O_DIRECT I/O is not supported here"
+        if self._use_o_direct:
+            logger.info(
+                "%s: using O_DIRECT I/O for %d-byte blocks",
+                self._label,
+                self._block_size,
+            )
+        else:
+            # a warning where O_DIRECT may work once the failure passes
+            log = logger.warning if self._reprobe_at is not None else logger.info
+            log(
+                "%s: using buffered I/O for %d-byte blocks because %s",
+                self._label,
+                self._block_size,
+                reason,
+            )
+
+    def _probe_xattr(self, root_dir: str) -> None:
+        """Where a MAC or CRC32C is kept: refuse a root without user extended
+        attributes, naming the fix."""
         if self._mac is not None or self._checksum:
             setting, kept, off = (
                 ("key_file", "MAC", "remove key_file")
                 if self._mac is not None
                 else ("checksum_blocks", "CRC32C", "set checksum_blocks to false")
             )
+            make_dirs(root_dir, self._modes)
             try:
-                probe_xattr(self._o_direct_dir)
+                probe_xattr(root_dir)
             except OSError as e:
+                if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                    raise  # not about xattrs (EROFS, EACCES): as it is
                 raise ValueError(
                     f"{setting} of the '{self.tier_type}' tier needs user extended "
                     f"attributes at root_dir {root_dir!r} (each block's {kept} "
@@ -495,13 +602,6 @@ class FileSystemTierManager(SecondaryTierManager):
                     "user xattrs (ext4, xfs, btrfs, tmpfs on Linux >= 6.6, NFS "
                     f"4.2), or {off}"
                 ) from None
-        if not self._use_o_direct and self._reprobe_at is None:
-            logger.warning(
-                "O_DIRECT is not supported at '%s'; falling back to buffered "
-                "I/O for the '%s' KV offload tier.",
-                root_dir,
-                self.tier_type,
-            )
 
     def _start_budget(
         self,
@@ -663,11 +763,55 @@ class FileSystemTierManager(SecondaryTierManager):
                 return LookupResult.MISS
         return LookupResult.HIT if result else LookupResult.MISS
 
+    def _file_size(self, key: OffloadKey) -> int:
+        """The size of *key*'s block file: a row of the primary tier's view."""
+        return self._block_size
+
+    def _paths_and_offsets(
+        self, keys: list[OffloadKey], rows: list[int]
+    ) -> tuple[list[str], list[int]]:
+        """Each key's file and its row's offset in the primary tier's view,
+        worked out on the I/O thread: the scheduler's thread only posts."""
+        paths = [self.file_mapper.get_file_name(key) for key in keys]
+        return paths, [row * self._block_size for row in rows]
+
     def _store_blocks(
-        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+        self,
+        keys: list[OffloadKey],
+        rows: list[int],
+        rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
-        """A store task (on an I/O thread): writes the blocks and returns the
-        keys it wrote."""
+        """A store task (on an I/O thread): writes the blocks of *rows* and
+        returns the keys it wrote. The files of *rewrites* (keys whose load
+        failed) are removed first, so that they are written anew; one whose
+        old file is still there after the store is not returned. A failure raises with
+        ``missing``, the keys left without a complete file, ``written``, those
+        stored, and ``failed_indices``, the others' (for the failure report)."""
+        paths, offsets = self._paths_and_offsets(keys, rows)
+        old_files = _remove_old_files(keys, paths, rewrites)
+        try:
+            self._write_rows(keys, paths, offsets)
+        except Exception as exc:  # whatever the store raised
+            missing = [
+                k
+                for k, p in zip(keys, paths)
+                if not is_block_path(p) or holds_no_block(p, self._file_size(k))
+            ]
+            not_written = _kept_old(keys, paths, old_files).union(missing)
+            exc.missing = missing  # type: ignore[attr-defined]
+            exc.written = [k for k in keys if k not in not_written]  # type: ignore[attr-defined]
+            exc.failed_indices = [  # type: ignore[attr-defined]
+                i for i, k in enumerate(keys) if k in not_written
+            ]
+            raise
+        kept_old = _kept_old(keys, paths, old_files)
+        return [k for k in keys if k not in kept_old]
+
+    def _write_rows(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> None:
+        """Write each key's row at *offsets* of the primary tier's view to
+        its path (raises once every block was tried)."""
         if paths:
             batch_store_block(
                 paths,
@@ -680,22 +824,20 @@ class FileSystemTierManager(SecondaryTierManager):
                 keys,
                 self._checksum,
             )
-        return keys
 
     def _store_within_budget(
         self,
         admission: Admission,
         keys: list[OffloadKey],
-        paths: list[str],
-        offsets: list[int],
+        rows: list[int],
+        rewrites: Collection[OffloadKey] = (),
     ) -> list[OffloadKey]:
         """A budgeted store task (on an I/O thread): its job's admission
         (reserving its bytes, evicting first; see FsTierBudget.admitted()),
         the evicted chunks' files removed, the admitted blocks written.
         Returns the keys written; raises a BudgetRejection (reported by the
         budget's rejection warning) carrying them as ``written`` if some did
-        not fit, and any failure with ``missing``, the keys left without a
-        file (the budget forgets them)."""
+        not fit, and any failure as _store_blocks() does."""
         assert self._budget is not None
         rejected, unreachable, evicted = self._budget.admitted(admission)
         if rejected or unreachable:
@@ -705,17 +847,10 @@ class FileSystemTierManager(SecondaryTierManager):
                 if key not in rejected and key not in unreachable
             ]
             keys = [keys[i] for i in kept]
-            paths = [paths[i] for i in kept]
-            offsets = [offsets[i] for i in kept]
+            rows = [rows[i] for i in kept]
         if evicted:
             self._budget.remove_evicted(evicted)
-        try:
-            self._store_blocks(keys, paths, offsets)
-        except Exception as exc:
-            # whatever the store raised (not only OSError)
-            missing = [k for k, p in zip(keys, paths) if not is_block_path(p)]
-            exc.missing = missing  # type: ignore[attr-defined]
-            raise
+        stored = self._store_blocks(keys, rows, rewrites)
         self._budget.written(admission, keys)
         if rejected:
             refusal = BudgetRejection(
@@ -724,9 +859,9 @@ class FileSystemTierManager(SecondaryTierManager):
                 f"max_bytes={self._max_bytes}, every indexed block file is in "
                 "use by a transfer",
             )
-            refusal.written = keys  # type: ignore[attr-defined]
+            refusal.written = stored  # type: ignore[attr-defined]
             raise refusal
-        return keys
+        return stored
 
     def _publish_evicted(self) -> None:
         """Evicted chunks' keys (scheduler thread): their cached lookup
@@ -750,21 +885,26 @@ class FileSystemTierManager(SecondaryTierManager):
         job = _Job(keys, is_load=False, req_context=job_metadata.req_context)
         if self._unloadable:
             job.rewrites = [key for key in keys if key in self._unloadable]
-        paths = [self.file_mapper.get_file_name(key) for key in keys]
-        offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
+        rows = job_metadata.chunk_ids.tolist()
         task: Callable[[], list[OffloadKey]]
         if self._budget is not None:
-            # the job's admission is decided by its task, in order with the
-            # scheduler's other budget events (off this thread)
+            # the job's admission (reserving its bytes, evicting first,
+            # pinning its chunks) is decided by its task, off this thread
             ctx = job_metadata.req_context
             job.admission = self._budget.admit_store(
                 keys, ctx.req_id, ctx.offload_key_positions()
             )
             task = functools.partial(
-                self._store_within_budget, job.admission, keys, paths, offsets
+                self._store_within_budget,
+                job.admission,
+                keys,
+                rows,
+                frozenset(job.rewrites),
             )
         else:
-            task = functools.partial(self._store_blocks, keys, paths, offsets)
+            task = functools.partial(
+                self._store_blocks, keys, rows, frozenset(job.rewrites)
+            )
         store = functools.partial(self._store_and_keep_config, task)
         if self._reprobe_at is not None and time.monotonic() >= self._reprobe_at:
             # This job's I/O thread probes O_DIRECT again after its store.
@@ -778,58 +918,74 @@ class FileSystemTierManager(SecondaryTierManager):
         job = _Job(keys, is_load=True)
         if self._budget is not None:
             job.admission = self._budget.pin_load(keys)
-        paths = [self.file_mapper.get_file_name(key) for key in keys]
-        offsets = [int(cid) * self._block_size for cid in job_metadata.chunk_ids]
+        task = functools.partial(
+            self._load_blocks, keys, job_metadata.chunk_ids.tolist()
+        )
+        self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
 
-        def load_task() -> None:
-            try:
-                batch_load_block(
-                    paths,
-                    self._primary_kv_view,
-                    offsets,
-                    self._block_size,
-                    self._use_o_direct,
-                    self._mac,
-                    keys,
-                    self._checksum,
-                )
-            except OSError as exc:
-                self._describe_failed_load(exc, paths)
-                raise
+    def _load_blocks(self, keys: list[OffloadKey], rows: list[int]) -> None:
+        """A load task (on an I/O thread): the blocks into *rows*. A failed
+        block does not stop the others; the first error is raised once all
+        were tried, with ``failed_indices`` and ``integrity_failed`` (indices
+        of *keys*) and what the failed blocks left at their paths
+        (_describe_failed_load())."""
+        paths, offsets = self._paths_and_offsets(keys, rows)
+        try:
+            self._read_rows(keys, paths, offsets)
+        except Exception as exc:  # whatever the load raised
+            if getattr(exc, "failed_indices", None) is None:
+                exc.failed_indices = list(range(len(keys)))  # type: ignore[attr-defined]
+            self._describe_failed_load(exc, keys, paths)
+            raise
 
-        self._pool.enqueue_load(job_metadata.job_id, 1, [load_task], job, len(keys))
+    def _read_rows(
+        self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
+    ) -> None:
+        """Read each key's file into its row at *offsets* of the primary
+        tier's view (raises once every block was tried)."""
+        batch_load_block(
+            paths,
+            self._primary_kv_view,
+            offsets,
+            self._block_size,
+            self._use_o_direct,
+            self._mac,
+            keys,
+            self._checksum,
+        )
 
-    def _describe_failed_load(self, exc: OSError, paths: list[str]) -> None:
+    def _describe_failed_load(
+        self, exc: Exception, keys: list[OffloadKey], paths: list[str]
+    ) -> None:
         """On the I/O thread, what a failed load left at its paths, as
         attributes of its error (read in _finish_load()): ``unloadable``,
-        the indices of failed blocks whose path holds something that is not
-        a block and could not be removed (a planted file that failed its MAC
-        on a read-only mount too), and ``gone``, those whose file the budget
-        forgets (gone or unloadable; a file a load failed to read, e.g.
-        EMFILE or EIO, is still there and still counted). Without
-        ``failed_indices`` (from batch_load_block), every block failed."""
-        failed_indices = getattr(exc, "failed_indices", None)
-        integrity_failed = getattr(exc, "integrity_failed", ())
-        failed = range(len(paths)) if failed_indices is None else failed_indices
-        unloadable = [
+        the indices of failed blocks whose path still holds something: not a
+        block, or a file that failed its check and could not be removed, or
+        one whose read failed for a reason that will not pass (EIO, EACCES),
+        which a store of the key writes anew; and ``gone``, those whose file
+        the budget forgets (gone, or not a block kept; a file whose read
+        failed is still there and still counted)."""
+        failed = exc.failed_indices  # type: ignore[attr-defined]
+        integrity_failed = set(getattr(exc, "integrity_failed", ()))
+        kept_broken = {
             i
             for i in failed
-            if holds_no_block(paths[i], self._block_size)
+            if holds_no_block(paths[i], self._file_size(keys[i]))
             or (i in integrity_failed and os.path.lexists(paths[i]))
+        }
+        lasting = getattr(exc, "errno", None) not in TRANSIENT_LOAD_ERRNOS
+        exc.unloadable = [  # type: ignore[attr-defined]
+            i
+            for i in failed
+            if i in kept_broken or (lasting and os.path.lexists(paths[i]))
         ]
-        exc.unloadable = unloadable  # type: ignore[attr-defined]
-        if self._budget is not None:
-            kept_broken = set(unloadable)
-            exc.gone = [  # type: ignore[attr-defined]
-                i for i in failed if i in kept_broken or not is_block_path(paths[i])
-            ]
+        exc.gone = [  # type: ignore[attr-defined]
+            i for i in failed if i in kept_broken or not is_block_path(paths[i])
+        ]
         # Surfaces errno (e.g. EMFILE "Too many open files") for both the C
         # and Python load paths.
         logger.debug(
-            "Load of %d blocks failed for %s blocks: %s",
-            len(paths),
-            "all" if failed_indices is None else len(failed_indices),
-            exc,
+            "Load of %d blocks failed for %d blocks: %s", len(paths), len(failed), exc
         )
 
     @override
@@ -872,7 +1028,8 @@ class FileSystemTierManager(SecondaryTierManager):
                 )
             if job.rewrites:
                 # a store replaced what could not be loaded: loadable again
-                self._unloadable.difference_update(set(job.rewrites) & set(written))
+                for key in set(job.rewrites).intersection(written):
+                    self._unloadable.pop(key, None)
         count = len(written) if written else len(job.keys)
         return JobResult(
             job_id=finished.job_id,
@@ -880,6 +1037,14 @@ class FileSystemTierManager(SecondaryTierManager):
             transfer_time=finished.transfer_time,
             transfer_bytes=count * self._block_size if count else None,
         )
+
+    def _mark_unloadable(self, keys: Iterable[OffloadKey]) -> None:
+        """Answer *keys* as misses until stored again (most recent last)."""
+        for key in keys:
+            self._unloadable.pop(key, None)
+            self._unloadable[key] = None
+        while len(self._unloadable) > MAX_UNLOADABLE_KEYS:
+            del self._unloadable[next(iter(self._unloadable))]
 
     def _finish_load(self, finished: FinishedJob) -> JobResult:
         """A finished load. A batched load goes on past a bad block and
@@ -902,7 +1067,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 transfer_bytes=transfer_bytes,
             )
         self._checksum_failures += len(getattr(outcome, "integrity_failed", ()))
-        self._unloadable.update(keys[i] for i in getattr(outcome, "unloadable", ()))
+        self._mark_unloadable(keys[i] for i in getattr(outcome, "unloadable", ()))
         failed_indices = getattr(outcome, "failed_indices", None)
         failed_set = set(range(len(keys)) if failed_indices is None else failed_indices)
         successful = [k for i, k in enumerate(keys) if i not in failed_set]
