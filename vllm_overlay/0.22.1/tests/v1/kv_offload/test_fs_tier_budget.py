@@ -758,7 +758,7 @@ def test_two_tiers_on_one_root_keep_their_budgets(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def _budget_on(root: str, max_files: int, wait_scan: bool = True):
+def _budget_on(root: str, max_files: int, wait_scan: bool = True, **kwargs):
     """An FsTierBudget over real files of 4 KiB under root, 16 tokens a
     chunk, and the path of a key's file."""
     from vllm.v1.kv_offload.tiering.fs.budget import FsTierBudget
@@ -771,7 +771,14 @@ def _budget_on(root: str, max_files: int, wait_scan: bool = True):
         return chunk_path(key[:-4], 0)
 
     budget = FsTierBudget(
-        max_files * 4096, [4096], root, path_of, chunk_path, "test tier", {0: 16}
+        max_files * 4096,
+        [4096],
+        root,
+        path_of,
+        chunk_path,
+        "test tier",
+        {0: 16},
+        **kwargs,
     )
     assert not wait_scan or budget.scan_done.wait(30)
     return budget, path_of
@@ -815,6 +822,24 @@ def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
         _, _, evicted = budget.admitted(job)
         assert [victim[0] for victim in evicted] == [keys[1][:-4]]
         budget.finish_job(load, [])
+    finally:
+        budget.shutdown()
+
+
+@pytest.mark.parametrize("takes_keys", [True, False])
+def test_an_evicted_chunk_waits_only_for_keys_its_tier_takes(tmp_path, takes_keys):
+    """An evicted chunk is a miss until its files are gone and, for a tier
+    that caches lookup() verdicts, until the tier took its keys; a tier
+    that takes none is not waited for, and no keys are kept for it."""
+    budget, path_of = _budget_on(str(tmp_path), 1, takes_evicted_keys=takes_keys)
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in (1, 2)]
+    try:
+        _store_one(budget, path_of, keys[0], "r0")
+        _store_one(budget, path_of, keys[1], "r1")  # evicts keys[0]
+        assert not os.path.exists(path_of(keys[0]))
+        assert budget.is_removing(keys[0]) == takes_keys
+        assert budget.take_evicted_keys() == ([[keys[0]]] if takes_keys else [])
+        assert not budget.is_removing(keys[0])
     finally:
         budget.shutdown()
 

@@ -596,6 +596,8 @@ class FileSystemTierManager(SecondaryTierManager):
             or None,
             chunk_id=chunk_id,
             on_removal_errors=self._pool.record_removal_errors,
+            # lookup() stats files: no cached verdict to turn into a miss
+            takes_evicted_keys=False,
         )
         logger.info(
             "%s: max_bytes=%d (%d chunks of one file "
@@ -968,9 +970,6 @@ class FileSystemTierManager(SecondaryTierManager):
         budget = self._budget
         if budget is not None:
             budget.end_step()
-            # evicted chunks: lookup() stats their files (no cached verdict
-            # to turn into a miss), so they only leave the removing set
-            budget.take_evicted_keys()
         return [
             self._finish_load(finished)
             if finished.record.is_load

@@ -61,7 +61,8 @@ Invariants:
       evicted. Each pin is dropped by the job or step that took it.
     - An evicted chunk stays in _removing until its files are gone and the
       scheduler thread took its keys (lookup()'s cached verdicts become
-      misses); meanwhile lookup() answers a miss and no store writes it.
+      misses; a tier without them takes none); meanwhile lookup() answers a
+      miss and no store writes it.
     - Bounded: the index by max_bytes (one entry per chunk on disk), the
       requests' positions by MAX_TRACKED_KEYS, the events by MAX_EVENTS (the
       budget thread is woken to apply them), the reports by
@@ -238,6 +239,7 @@ class FsTierBudget:
         prefix_groups: Collection[int] | None = None,
         chunk_id: Callable[[bytes], bytes] | None = None,
         on_removal_errors: Callable[[int, str], None] | None = None,
+        takes_evicted_keys: bool = True,
     ) -> None:
         """file_sizes: the bytes of a block file of each KV cache group.
         chunk_tokens: the tokens of one chunk of each KV cache group.
@@ -247,7 +249,9 @@ class FsTierBudget:
         namespace's; None: the hash itself), chunk_path maps it and a group
         index to the file, key_path a key to its file.
         on_removal_errors(count, last error): evicted files that could not
-        be removed (the tier's rate-limited failure report)."""
+        be removed (the tier's rate-limited failure report).
+        takes_evicted_keys: the tier calls take_evicted_keys() (it caches
+        lookup() verdicts); if not, no keys are kept for it."""
         self.max_bytes = max_bytes
         self._sizes = list(file_sizes)  # a file's bytes, by group index
         self._rank_dir = rank_dir
@@ -256,6 +260,9 @@ class FsTierBudget:
         self._chunk_id = chunk_id
         self._label = label
         self._on_removal_errors = on_removal_errors
+        self._takes_keys = takes_evicted_keys
+        # a keyed chunk's block hash, kept only to give its keys back
+        self._keep_hashes = chunk_id is not None and takes_evicted_keys
         self._chunk_tokens = {g.to_bytes(4, "big"): t for g, t in chunk_tokens.items()}
         prefix = set(chunk_tokens) if prefix_groups is None else set(prefix_groups)
         self._prefix = {g.to_bytes(4, "big") for g in prefix}
@@ -614,7 +621,7 @@ class FsTierBudget:
             # indexed at the request's order, which its mtime then says
             if not self._adopt(h, key, self._order(req, key, position)):
                 return
-        elif self._chunk_id is not None:
+        elif self._keep_hashes:
             self._hash_of.setdefault(h, key[:-4])
         self._raise(h, self._order(req, key, position))
         if position is not None:
@@ -709,7 +716,7 @@ class FsTierBudget:
         if h not in self._chunks:
             self._chunks[h] = (t, 0)
             heapq.heappush(self._heap, (t, h))
-            if self._chunk_id is not None:
+            if self._keep_hashes:
                 self._hash_of[h] = key[:-4]
         else:
             self._raise(h, t)
@@ -834,7 +841,7 @@ class FsTierBudget:
                 del self._chunks[h]
                 self._dirty.discard(h)
                 self._mark_changed(h)
-                self._removing[h] = 0
+                self._removing[h] = 0 if self._takes_keys else _KEYS_TAKEN
                 self.used -= size
                 self.removed_bytes += size  # in the ledger from now
                 self.evicted_files += chunk[1].bit_count()
@@ -842,7 +849,7 @@ class FsTierBudget:
                 evicted.append((h, chunk[1], t))
         for entry in skipped:
             heapq.heappush(heap, entry)
-        if evicted:
+        if evicted and self._takes_keys:
             for h, groups, _ in evicted:
                 self._evicted_keys.append((h, self._keys_of(h, groups)))
         return evicted
@@ -1089,7 +1096,7 @@ class FsTierBudget:
         gone = chunk[1] & ~on_disk
         self.used -= self._bytes(gone)
         block_hash = h if self._chunk_id is None else self._hash_of.get(h)
-        if block_hash is not None:
+        if block_hash is not None and self._takes_keys:
             keys = [
                 OffloadKey(block_hash + g.to_bytes(4, "big")) for g in _groups_of(gone)
             ]
