@@ -337,19 +337,17 @@ def test_every_unit_of_the_upstream_track_fits_400_words():
         assert words <= kit.VISIBLE_WORDS, (unit.name, words)
 
 
-def test_the_fs_tier_fixes_are_units_of_their_own():
-    """fs-tier-faults (eight commits) is split: each fix is a unit with its own tests; a unit
-    carries another's patches only where its code builds on them."""
+def test_the_fs_tier_fixes_are_two_review_sized_units():
+    """The eight fs tier fault fixes are two units (issue 33): the block files' faults, on
+    the tag alone, and the root's faults on it; each lists every test its fixes add."""
     units = {u.name: u for u in kit.load_units("0.34.0")}
-    assert "fs-tier-faults" not in units
     fs = {n: [p.name[:4] for p in u.patches] for n, u in units.items() if n.startswith("fs-")}
     assert fs == {
-        "fs-partial-batch-load": ["0007"], "fs-complete-stores": ["0008"],
-        "fs-size-checked-loads": ["0007", "0008", "0009"], "fs-unloadable-miss": ["0007", "0008", "0010"],
-        "fs-stale-temp-files": ["0008", "0011"], "fs-failure-report": ["0012"],
-        "fs-config-json": ["0008", "0011", "0012", "0013"],
-        "fs-o-direct-reprobe": ["0007", "0008", "0009", "0011", "0012", "0013", "0014"]}
+        "fs-block-files": ["0007", "0008", "0009", "0010"],
+        "fs-root-faults": ["0007", "0008", "0009", "0010", "0011", "0012", "0013", "0014"]}
+    assert kit.builds_on(units["fs-root-faults"], list(units.values()))[0] == ["fs-block-files"]
     for n in fs:
+        assert kit.review_limits(units[n], list(units.values()))[1] == [], n
         assert units[n].tests and all("::test_" in t for t in units[n].tests), n
     tests = [t for n in fs for t in units[n].tests]
     assert len(tests) == len(set(tests))  # no test claimed by two units

@@ -294,6 +294,18 @@ class FsTierBudget:
         self._removing_lock = threading.Lock()
         self._removing: dict[bytes, int] = {}  # chunk id -> _KEYS_TAKEN | ...
         self._evicted_keys: deque[tuple[bytes, list[OffloadKey]]] = deque()
+        self._init_counters()
+
+        self._wake = threading.Event()
+        self._stop = False
+        self.scan_done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="vllm_kv_py_fs_budget", daemon=True
+        )
+        self._thread.start()
+
+    def _init_counters(self) -> None:
+        """The bytes counted and what the reports say."""
         self.used = 0
         self.unlinking = 0  # evicted ahead, files not removed yet
         self.evicted_files = self.rejected_files = self.rejected_jobs = 0
@@ -304,14 +316,6 @@ class FsTierBudget:
         self._report_throttle, self._warning_throttle = Throttle(), Throttle()
         self._errors = 0  # the budget thread's failures
         self._error_throttle = Throttle()
-
-        self._wake = threading.Event()
-        self._stop = False
-        self.scan_done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="vllm_kv_py_fs_budget", daemon=True
-        )
-        self._thread.start()
 
     def _init_shared_root(self, rank_dir: str, label: str) -> None:
         """What the budget keeps of the other engines on its root."""
