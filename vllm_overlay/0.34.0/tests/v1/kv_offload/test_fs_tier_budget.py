@@ -1373,17 +1373,29 @@ def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
 @pytest.mark.parametrize("takes_keys", [True, False])
 def test_an_evicted_chunk_waits_only_for_keys_its_tier_takes(tmp_path, takes_keys):
     """An evicted chunk is a miss until its files are gone and, for a tier
-    that caches lookup() verdicts, until the tier took its keys; a tier
-    that takes none is not waited for, and no keys are kept for it."""
-    budget, path_of = _budget_on(str(tmp_path), 1, takes_evicted_keys=takes_keys)
-    keys = [make_offload_key(bytes([i]) * 32, 0) for i in (1, 2)]
+    that caches lookup() verdicts, until the tier took its keys. A tier
+    that takes none is not waited for and keeps no keys, but the chunk stays
+    a miss until the step ends: lookup() may have seen its file before the
+    removal."""
+    budget, path_of = _budget_on(
+        str(tmp_path), 1, takes_evicted_keys=takes_keys, chunk_id=lambda h: h
+    )
+    k0, k1 = (make_offload_key(bytes([i]) * 32, 0) for i in (1, 2))
     try:
-        _store_one(budget, path_of, keys[0], "r0")
-        _store_one(budget, path_of, keys[1], "r1")  # evicts keys[0]
-        assert not os.path.exists(path_of(keys[0]))
-        assert budget.is_removing(keys[0]) == takes_keys
-        assert budget.take_evicted_keys() == ([[keys[0]]] if takes_keys else [])
-        assert not budget.is_removing(keys[0])
+        _store_one(budget, path_of, k0, "r0")
+        job = budget.admit_store([k1], "r1", {k1: 16})
+        _, _, evicted = budget.admitted(job)  # evicts k0's chunk
+        assert budget.is_removing(k0) and not budget.on_hit(k0, "r2", {k0: 16})
+        budget.remove_evicted(evicted)
+        assert not os.path.exists(path_of(k0))
+        assert not budget.on_hit(k0, "r2", {k0: 16})  # in the same step
+        assert budget.is_removing(k0) == takes_keys
+        assert budget.take_evicted_keys() == ([[k0]] if takes_keys else [])
+        assert bool(budget._hash_of) == takes_keys  # k1's block hash
+        budget.end_step()
+        assert not budget.is_removing(k0)
+        _write_files(path_of, [k1])
+        budget.finish_job(job, [])
     finally:
         budget.shutdown()
 

@@ -38,7 +38,8 @@ Threads and what they own:
       budget thread.
     - _lock guards the index and the counters; it is never held across a
       filesystem call.
-    - _removing_lock guards _removing and _hit_pins (lookup()'s pins),
+    - _removing_lock guards _removing, _gone_in_step and _hit_pins
+      (lookup()'s pins),
       which the scheduler thread reads and writes on every hit: held for a
       few dict operations, or one eviction's pick of its victims.
     - _recalled and _step_hits are the scheduler thread's own; _ledgers
@@ -61,8 +62,9 @@ Invariants:
       evicted. Each pin is dropped by the job or step that took it.
     - An evicted chunk stays in _removing until its files are gone and the
       scheduler thread took its keys (lookup()'s cached verdicts become
-      misses; a tier without them takes none); meanwhile lookup() answers a
-      miss and no store writes it.
+      misses); meanwhile lookup() answers a miss and no store writes it. A
+      tier that takes no keys: until its files are gone, then a miss to
+      on_hit() until the step ends (lookup() may have seen the file).
     - Bounded: the index by max_bytes (one entry per chunk on disk), the
       requests' positions by MAX_TRACKED_KEYS, the events by MAX_EVENTS (the
       budget thread is woken to apply them), the reports by
@@ -294,6 +296,7 @@ class FsTierBudget:
         self._removing_lock = threading.Lock()
         self._removing: dict[bytes, int] = {}  # chunk id -> _KEYS_TAKEN | ...
         self._evicted_keys: deque[tuple[bytes, list[OffloadKey]]] = deque()
+        self._gone_in_step: set[bytes] = set()  # takes_evicted_keys=False
         self._init_counters()
 
         self._wake = threading.Event()
@@ -349,7 +352,7 @@ class FsTierBudget:
         lock, so a chunk is either pinned first or a miss."""
         h = self._cid(key[:-4])
         with self._removing_lock:
-            if h in self._removing:
+            if h in self._removing or h in self._gone_in_step:
                 return False
             self._hit_pins[h] = self._hit_pins.get(h, 0) + 1
         self._step_hits.append(h)
@@ -405,6 +408,8 @@ class FsTierBudget:
         the events before this one (its promotions' pins) are applied."""
         self._events.append((_STEP, self._step_hits))
         self._step_hits = []
+        with self._removing_lock:
+            self._gone_in_step.clear()
         if len(self._events) > MAX_EVENTS:
             self._wake.set()
 
@@ -872,6 +877,8 @@ class FsTierBudget:
         if state is not None:
             if state | done == _KEYS_TAKEN | _FILES_GONE:
                 del self._removing[h]
+                if not self._takes_keys:
+                    self._gone_in_step.add(h)
             else:
                 self._removing[h] = state | done
 
