@@ -29,6 +29,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -331,10 +332,29 @@ def removal_floor(root: str, rounds: int, files: int) -> dict:
     return out
 
 
+def sched_repeats(n: int) -> int:
+    """The scheduler case of `make bench` (8 rounds of 6 requests), n times: the goal's
+    ratio of bests, and the ratio of medians, of each run."""
+    root = str(TMP / "budget-sched")
+    for i in range(n):
+        shutil.rmtree(root, ignore_errors=True)
+        out = sched_case(root, 8, 6)
+        with_b, without = out["max_bytes"], out["unbounded"]
+        best = min(with_b) / min(without)
+        median = statistics.median(with_b) / statistics.median(without)
+        say(f"run {i + 1}/{n}: with / without a budget, best {best:.3f}, median {median:.3f}")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(TMP / "budget.json"))
+    ap.add_argument("--sched-repeats", type=int, default=0, metavar="N",
+                    help="only the scheduler case, N times: how its ratios spread")
     args = ap.parse_args()
+    if args.sched_repeats:
+        return sched_repeats(args.sched_repeats)
     import vllm
 
     result: dict = {"fingerprint": vllm_fingerprint(os.path.dirname(vllm.__file__))}
