@@ -98,78 +98,56 @@ _DTYPE = torch.float16
 # ---------------------------------------------------------------------------
 
 
+def _attn(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _full(heads: int, head_size: int, block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=_DTYPE
+    )
+
+
+def _sliding(heads: int, head_size: int, window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=_DTYPE,
+        sliding_window=window,
+    )
+
+
+def _mla() -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=72, dtype=_DTYPE)
+
+
 def _one_group() -> dict[str, KVCacheSpec]:
     """Llama-like: full attention only, one KV cache group."""
-    return {
-        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=2, head_size=32, dtype=_DTYPE
-        )
-        for i in range(2)
-    }
+    return {_attn(i): _full(2, 32) for i in range(2)}
 
 
 def _sliding_and_full() -> dict[str, KVCacheSpec]:
     """Gemma-3 / GPT-OSS-like: sliding + full attention, equal block sizes."""
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(4):
-        name = f"model.layers.{i}.self_attn.attn"
-        if i % 2 == 0:
-            specs[name] = SlidingWindowSpec(
-                block_size=16,
-                num_kv_heads=2,
-                head_size=32,
-                dtype=_DTYPE,
-                sliding_window=64,
-            )
-        else:
-            specs[name] = FullAttentionSpec(
-                block_size=16, num_kv_heads=2, head_size=32, dtype=_DTYPE
-            )
-    return specs
+    return {
+        _attn(i): _sliding(2, 32, 64) if i % 2 == 0 else _full(2, 32) for i in range(4)
+    }
 
 
 def _mixed_head_sizes() -> dict[str, KVCacheSpec]:
-    """Gemma-4-like: the full attention layers have twice the head size of the
-    sliding window layers, so vLLM doubles the sliding groups' block size to
-    unify page sizes."""
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(6):
-        name = f"model.layers.{i}.self_attn.attn"
-        if i % 3 == 2:
-            specs[name] = FullAttentionSpec(
-                block_size=16, num_kv_heads=2, head_size=64, dtype=_DTYPE
-            )
-        else:
-            specs[name] = SlidingWindowSpec(
-                block_size=16,
-                num_kv_heads=2,
-                head_size=32,
-                dtype=_DTYPE,
-                sliding_window=64,
-            )
-    return specs
+    """Gemma-4-like: full attention has twice the sliding layers' head size, so
+    vLLM doubles the sliding groups' block size to unify page sizes."""
+    return {
+        _attn(i): _full(2, 64) if i % 3 == 2 else _sliding(2, 32, 64) for i in range(6)
+    }
 
 
 def _three_block_sizes() -> dict[str, KVCacheSpec]:
     """Three head sizes, hence three block sizes."""
     return {
-        "model.layers.0.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=64, dtype=_DTYPE
-        ),
-        "model.layers.1.self_attn.attn": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=32,
-            dtype=_DTYPE,
-            sliding_window=64,
-        ),
-        "model.layers.2.self_attn.attn": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=16,
-            dtype=_DTYPE,
-            sliding_window=128,
-        ),
+        _attn(0): _full(1, 64),
+        _attn(1): _sliding(1, 32, 64),
+        _attn(2): _sliding(1, 16, 128),
     }
 
 
@@ -181,67 +159,37 @@ _MAMBA_BLOCK_SIZE = 96
 def _mamba_and_attention() -> dict[str, KVCacheSpec]:
     """Qwen3.5-, Nemotron-H-like: linear attention / mamba layers plus full
     attention layers, mamba_cache_mode='align'."""
-    attn = FullAttentionSpec(
-        block_size=_MAMBA_BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=_DTYPE
+    attn = _full(1, 32, _MAMBA_BLOCK_SIZE)
+    mamba = MambaSpec(
+        block_size=_MAMBA_BLOCK_SIZE,
+        shapes=((3, 64), (2, 16, 16)),
+        dtypes=(_DTYPE, _DTYPE),
+        page_size_padded=attn.page_size_bytes,
+        mamba_cache_mode="align",
     )
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(3):
-        specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-            block_size=_MAMBA_BLOCK_SIZE,
-            shapes=((3, 64), (2, 16, 16)),
-            dtypes=(_DTYPE, _DTYPE),
-            page_size_padded=attn.page_size_bytes,
-            mamba_cache_mode="align",
-        )
-    specs["model.layers.3.self_attn.attn"] = attn
-    return specs
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.linear_attn": mamba for i in range(3)
+    }
+    return specs | {_attn(3): attn}
 
 
 def _mla_and_sliding() -> dict[str, KVCacheSpec]:
-    """DeepSeek-V4-like: MLA full attention plus sliding window attention with
-    another block size."""
+    """DeepSeek-V4-like: MLA plus sliding window attention of another block size."""
     return {
-        "model.layers.0.self_attn.mla_attn": MLAAttentionSpec(
-            block_size=64, num_kv_heads=1, head_size=72, dtype=_DTYPE
-        ),
-        "model.layers.0.self_attn.swa_attn": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=72,
-            dtype=_DTYPE,
-            sliding_window=128,
-        ),
+        "model.layers.0.self_attn.mla_attn": _mla(),
+        "model.layers.0.self_attn.swa_attn": _sliding(1, 72, 128),
     }
 
 
 def _two_full_groups() -> dict[str, KVCacheSpec]:
-    """Two full attention groups of different block sizes (64, 32): MLA
-    layers next to standard attention layers."""
-    return {
-        "model.layers.0.self_attn.mla_attn": MLAAttentionSpec(
-            block_size=64, num_kv_heads=1, head_size=72, dtype=_DTYPE
-        ),
-        "model.layers.1.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=72, dtype=_DTYPE
-        ),
-    }
+    """Two full attention groups of block sizes 64 and 32: MLA and attention."""
+    return {"model.layers.0.self_attn.mla_attn": _mla(), _attn(1): _full(1, 72)}
 
 
 def _odd_rows() -> dict[str, KVCacheSpec]:
     """Sliding + full attention with rows that are not a multiple of a disk's
     logical block size (as mamba states and mixed head sizes produce)."""
-    return {
-        "model.layers.0.self_attn.attn": SlidingWindowSpec(
-            block_size=16,
-            num_kv_heads=1,
-            head_size=20,
-            dtype=_DTYPE,
-            sliding_window=64,
-        ),
-        "model.layers.1.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=1, head_size=20, dtype=_DTYPE
-        ),
-    }
+    return {_attn(0): _sliding(1, 20, 64), _attn(1): _full(1, 20)}
 
 
 # layout name -> (KV cache specs, extra CacheConfig arguments)
