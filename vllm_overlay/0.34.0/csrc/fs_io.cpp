@@ -339,6 +339,19 @@ inline int _store_block(const char* tmp_path, const char* dest_path,
   return 0;
 }
 
+// Removes `path` if it still names the file `read_st` describes: another
+// engine sharing the root may have stored the block anew since it was read.
+// This narrows the window, it does not close it: a rename between the lstat
+// and the unlink still loses that block (a miss). Callers hold the file open,
+// so its inode cannot have been reused.
+inline void unlink_if_same_file(const char* path, const struct stat& read_st) {
+  struct stat now;
+  if (lstat(path, &now) == 0 && now.st_dev == read_st.st_dev &&
+      now.st_ino == read_st.st_ino) {
+    unlink(path);
+  }
+}
+
 // Core single-block load: dst/size are raw pointer + byte count. Returns 0
 // on success, or the errno of the failing step on failure. Removes the source
 // file ONLY if it provably holds no block: a regular file whose size is not
@@ -363,16 +376,6 @@ struct FileXattr {
   ino_t ino = 0;
 };
 
-// Removes `path` if it still names the file `read` describes: another engine
-// sharing the root may have stored the block anew since it was read.
-inline void unlink_if_same_file(const char* path, const struct stat& read) {
-  struct stat now;
-  if (lstat(path, &now) == 0 && now.st_dev == read.st_dev &&
-      now.st_ino == read.st_ino) {
-    unlink(path);
-  }
-}
-
 inline int _load_block(const char* source_path, char* dst, size_t size,
                        bool use_o_direct, const char* xattr_name,
                        FileXattr* xattr, bool checksum, bool* checksum_failed) {
@@ -395,7 +398,7 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     return EIO;
   }
   if (static_cast<size_t>(st.st_size) != size) {
-    unlink_if_same_file(source_path, st);  // fd open: its inode is not reused
+    unlink_if_same_file(source_path, st);
     close(fd);
     return EIO;
   }

@@ -637,6 +637,90 @@ def test_cold_restart_promotes_and_loads_every_group(
     assert not [f for f in files if f.endswith(".tmp")]
 
 
+def _use_key_file(engine: "Engine", path) -> None:
+    """Give the engine's fs tier a key file (a new random key at *path*)."""
+    path.write_bytes(os.urandom(32))
+    os.chmod(path, 0o600)
+    kv_transfer_config = engine.vllm_config.kv_transfer_config
+    assert kv_transfer_config is not None
+    tiers = kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
+    tiers[0]["key_file"] = str(path)
+
+
+@pytest.mark.parametrize("layout", ["llama", "gemma3"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "key_file"])
+def test_requests_with_another_cache_salt_never_load_disk_blocks(
+    model_config, tmp_path, monkeypatch, layout, keyed
+):
+    """Tenants of one server share its disk tier; their requests carry a
+    cache_salt, which is part of the first block's hash (and so of every
+    later block's, of the tier's keys and of its file names). A tenant's
+    blocks on disk are found by its own requests after a cold restart,
+    through the real connector scheduler, and never by a request with the
+    same prompt and another salt or none: no hit, no load reaches the fs
+    tier. With a key file (keyed), the same key's cold engine hits and
+    another key's engine misses the tenant's own blocks."""
+    engine = Engine(model_config, layout, str(tmp_path / "fs"), 64)
+    if keyed:
+        _use_key_file(engine, tmp_path / "key")
+    num_tokens = 4 * max(GPU_BLOCK_SIZES[layout]) + 5
+
+    def request(req_id: str, cache_salt: str | None) -> Request:
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
+        )
+
+    def hit_tokens(sched: OffloadingConnectorScheduler, req: Request) -> int:
+        sched.on_new_request(req)
+        for _ in range(_COLD_SETTLE_STEPS):
+            num_hit_tokens, _ = sched.get_num_new_matched_tokens(req, 0)
+            if num_hit_tokens is not None:
+                return num_hit_tokens
+            end_step(sched)
+        raise AssertionError(f"{req.request_id} still deferred")
+
+    assert store_requests(engine, [request("a0", "tenant-a")]) > 0
+
+    sched = engine.connector_scheduler()  # cold: an empty CPU tier
+    (fs_tier,) = tiering_manager(sched).secondary_tiers
+    loaded: list[OffloadKey] = []
+    submit_load = fs_tier.submit_load
+
+    def recorded_load(job):
+        loaded.extend(job.keys)
+        submit_load(job)
+
+    monkeypatch.setattr(fs_tier, "submit_load", recorded_load)
+    try:
+        assert hit_tokens(sched, request("b0", "tenant-b")) == 0
+        assert hit_tokens(sched, request("n0", None)) == 0
+        assert loaded == [], "another tenant's request loaded disk blocks"
+
+        own = request("a1", "tenant-a")
+        num_hit_tokens = hit_tokens(sched, own)
+        assert num_hit_tokens == expected_hit_tokens(sched, num_tokens) > 0
+        end_step(sched, {own.request_id: allocate(sched, own, num_hit_tokens)})
+        own_keys = {k for g in group_keys(sched, own) for k in g}
+        assert loaded and set(loaded) <= own_keys
+    finally:
+        sched.shutdown()
+    if not keyed:
+        return
+
+    _use_key_file(engine, tmp_path / "another-key")
+    sched = engine.connector_scheduler()  # cold, and another key
+    try:
+        hits = hit_tokens(sched, request("a2", "tenant-a"))
+        assert hits == 0, "another key's engine hit the tenant's blocks"
+    finally:
+        sched.shutdown()
+
+
 def _write_weights(model_dir, seed: int) -> None:
     """A checkpoint file of the tiny model: what a fine-tune rewrites."""
     from safetensors.torch import save_file
@@ -716,99 +800,6 @@ def test_cold_restart_after_a_model_change_at_its_path(
             f"after a change of {change}: {num_hit_tokens} tokens hit on disk, "
             f"{expected} expected"
         )
-    finally:
-        sched.shutdown()
-
-
-def _use_key_file(engine: "Engine", path) -> None:
-    """Give the engine's fs tier a key file (a new random key at *path*)."""
-    path.write_bytes(os.urandom(32))
-    os.chmod(path, 0o600)
-    kv_transfer_config = engine.vllm_config.kv_transfer_config
-    assert kv_transfer_config is not None
-    tiers = kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
-    tiers[0]["key_file"] = str(path)
-
-
-@pytest.mark.parametrize("layout", ["llama", "gemma3"])
-@pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "key_file"])
-def test_requests_with_another_cache_salt_never_load_disk_blocks(
-    model_config, tmp_path, layout, keyed
-):
-    """Tenants of one server share its disk tier; their requests carry a
-    cache_salt, which is part of the first block's hash (and so of every
-    later block's, of the tier's keys and of its file names). A tenant's
-    blocks on disk are found by its own requests after a cold restart,
-    through the real connector scheduler, and never by a request with the
-    same prompt and another salt or none: no hit, no load job reaches the fs
-    tier. The salt separates tenants of one server; the tier's file modes
-    separate other local users, and its key file (keyed) engines sharing a
-    store: with the same key a cold engine hits, with another key the
-    tenant's own request misses."""
-    engine = Engine(model_config, layout, str(tmp_path / "fs"), 64)
-    if keyed:
-        _use_key_file(engine, tmp_path / "key")
-    num_tokens = 4 * max(GPU_BLOCK_SIZES[layout]) + 5
-
-    def request(req_id: str, cache_salt: str | None) -> Request:
-        return Request(
-            request_id=req_id,
-            prompt_token_ids=[(7 * i) % 500 for i in range(num_tokens)],
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            cache_salt=cache_salt,
-            block_hasher=get_request_block_hasher(engine.hash_block_size, sha256),
-        )
-
-    assert store_requests(engine, [request("a0", "tenant-a")]) > 0
-
-    sched = engine.connector_scheduler()  # cold: an empty CPU tier
-    (fs_tier,) = tiering_manager(sched).secondary_tiers
-    loaded: list[OffloadKey] = []
-    submit_load = fs_tier.submit_load
-
-    def recorded_load(job):
-        loaded.extend(job.keys)
-        submit_load(job)
-
-    fs_tier.submit_load = recorded_load  # type: ignore[method-assign]
-    try:
-        others = [request("b0", "tenant-b"), request("n0", None)]
-        for other in others:
-            sched.on_new_request(other)
-        settled: set[str] = set()
-        for _ in range(_COLD_SETTLE_STEPS):
-            settle_step(sched, others, settled)
-        assert settled == {"b0", "n0"}
-        assert loaded == [], "another tenant's request loaded disk blocks"
-
-        own = request("a1", "tenant-a")
-        sched.on_new_request(own)
-        for _ in range(_COLD_SETTLE_STEPS):
-            num_hit_tokens, _ = sched.get_num_new_matched_tokens(own, 0)
-            if num_hit_tokens is not None:
-                break
-            end_step(sched)
-        assert num_hit_tokens == expected_hit_tokens(sched, num_tokens) > 0
-        end_step(sched, {own.request_id: allocate(sched, own, num_hit_tokens)})
-        own_keys = {k for g in group_keys(sched, own) for k in g}
-        assert loaded and set(loaded) <= own_keys
-    finally:
-        sched.shutdown()
-    if not keyed:
-        return
-
-    _use_key_file(engine, tmp_path / "another-key")
-    sched = engine.connector_scheduler()  # cold, and another key
-    try:
-        again = request("a2", "tenant-a")
-        sched.on_new_request(again)
-        for _ in range(_COLD_SETTLE_STEPS):
-            num_hit_tokens, _ = sched.get_num_new_matched_tokens(again, 0)
-            if num_hit_tokens is not None:
-                break
-            end_step(sched)
-        assert num_hit_tokens == 0, "another key's engine hit the tenant's blocks"
     finally:
         sched.shutdown()
 

@@ -758,6 +758,45 @@ def test_failed_load_corrects_verdict_and_removes_corrupt_file(
     assert lookup_and_wait(tier, [key(1)], ctx=fresh) == [LookupResult.MISS]
 
 
+def test_a_failed_load_removes_only_the_file_it_read(fs_tier, monkeypatch):
+    """Another engine sharing the root stores a block anew (renames a whole
+    file into place) between a load's look at the damaged file it replaces
+    and that load's removal of it: the new file is left alone. (Python path:
+    the C path makes the same check, and no test can step into it.)"""
+    import shutil
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    tier, tensor = fs_tier
+    tensor[0] = 5
+    tier.submit_store(make_job(1, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    path = tier.file_mapper.get_file_name(key(1))
+    with open(path, "rb") as f:
+        good = f.read()
+    stored_anew = path + ".another-engine"
+    shutil.copy2(path, stored_anew)
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(good[: len(good) // 2])  # a damaged file: half a block
+    damaged_ino = os.stat(path).st_ino
+    real_fstat = os.fstat
+
+    def fstat_then_store_anew(fd):
+        st = real_fstat(fd)
+        if st.st_ino == damaged_ino:
+            os.rename(stored_anew, path)
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_store_anew)
+    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    assert [r.success for r in drain(tier)] == [False]
+    assert os.path.isfile(path), "the block stored anew was removed"
+    with open(path, "rb") as f:
+        assert f.read() == good
+
+
 def test_failed_load_after_abort_does_not_break_newer_probe(fs_tier):
     """A promotion for request A fails after A was aborted and request B
     re-probed the same key. The failure must not flip B's in-flight probe:
@@ -1370,50 +1409,6 @@ def _make_small_tier(root_dir, tensor: torch.Tensor, **config):
         n_write_threads=2,
         **config,
     )
-
-
-def test_a_failed_load_removes_only_the_file_it_read(tmp_path, monkeypatch):
-    """Another engine sharing the root stores a block anew (renames a whole
-    file into place) between a load's look at the damaged file it replaces
-    and that load's removal of it: the new file is left alone. (Python path:
-    the C path makes the same check, and no test can step into it.)"""
-    import shutil
-    import stat
-
-    import vllm.v1.kv_offload.tiering.fs.io as io_mod
-
-    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
-    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
-    tensor[0] = 5
-    tier = _make_small_tier(tmp_path / "root", tensor)
-    try:
-        tier.submit_store(make_job(1, [key(1)], [0]))
-        assert [r.success for r in drain(tier)] == [True]
-        path = tier.file_mapper.get_file_name(key(1))
-        with open(path, "rb") as f:
-            good = f.read()
-        stored_anew = path + ".another-engine"
-        shutil.copy2(path, stored_anew)
-        os.remove(path)
-        with open(path, "wb") as f:
-            f.write(good[: len(good) // 2])  # a damaged file: half a block
-        real_fstat = os.fstat
-
-        def fstat_then_store_anew(fd):
-            st = real_fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_size == len(good) // 2:
-                os.rename(stored_anew, path)
-            return st
-
-        monkeypatch.setattr(os, "fstat", fstat_then_store_anew)
-        tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
-        assert [r.success for r in drain(tier)] == [False]
-        monkeypatch.setattr(os, "fstat", real_fstat)
-        assert os.path.isfile(path), "the block stored anew was removed"
-        with open(path, "rb") as f:
-            assert f.read() == good
-    finally:
-        tier.shutdown()
 
 
 @pytest.mark.parametrize("use_c_ext", [True, False])

@@ -181,17 +181,6 @@ def _check_crc(path: str, fd: int, data: memoryview, st: os.stat_result) -> None
         )
 
 
-def _remove_if_same_file(path: str, read: FileMac | os.stat_result) -> None:
-    """Remove *path* if it still names the file *read* describes: another
-    engine sharing the root may have stored the block anew since."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return
-    if (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino):
-        _remove_corrupt_file(path)
-
-
 def probe_xattr(directory: str) -> None:
     """Raise OSError unless a file in *directory* can hold a user extended
     attribute, MAC_XATTR or CRC_XATTR (some filesystems have none: older
@@ -390,6 +379,19 @@ def _remove_corrupt_file(path: str) -> None:
         logger.warning("Failed to remove corrupt block file %s: %s", path, cleanup_exc)
 
 
+def _remove_if_same_file(path: str, read: FileMac | os.stat_result) -> None:
+    """Remove *path* if it still names the file *read* describes: another
+    engine sharing the root may have stored the block anew since. This
+    narrows the window, it does not close it: a rename between the lstat and
+    the removal still loses that block (a miss)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) == (read.st_dev, read.st_ino):
+        _remove_corrupt_file(path)
+
+
 def _load_block(
     source_path: str,
     view: memoryview,
@@ -403,11 +405,11 @@ def _load_block(
     no block (a regular file whose size is not block_size, or a short read:
     stores are atomic and write exactly one block, so that is genuine
     corruption), and only if its path still names the file read; leave it
-    untouched on any other error. A file of the wrong
-    size, or one that is not a regular file, is rejected before anything is
-    read into the view. With *read_mac*, return the file's MAC attribute,
-    read from the same open file; with *checksum*, check the bytes read
-    against the file's CRC32C (_check_crc)."""
+    untouched on any other error. A file of the wrong size, or one that is
+    not a regular file, is rejected before anything is read into the view.
+    With *read_mac*, return the file's MAC attribute, read from the same open
+    file; with *checksum*, check the bytes read against the file's CRC32C
+    (_check_crc)."""
     fd: int | None = None
     view_slice = view.cast("B")[offset : offset + block_size]
     o_direct = O_DIRECT if use_o_direct else 0
