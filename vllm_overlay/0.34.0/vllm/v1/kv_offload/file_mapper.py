@@ -8,6 +8,7 @@ from collections.abc import Callable
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
     canonical_format_id,
 )
+from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.base import (
     OffloadingSpec,
     OffloadKey,
@@ -15,7 +16,6 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
-from vllm.v1.kv_offload.kv_values import describe_kv_values
 
 _BASE_PATH_HASH_LEN = 12
 _CONFIG_FILENAME = "config.json"
@@ -100,8 +100,8 @@ class FileMapper:
             "kv_cache_groups": kv_cache_groups or [],
             "inference_engine": inference_engine,
         }
-        # What the model's K/V values depend on: another model at the same
-        # path, new weights or another config get their own folder.
+        # What the model's K/V values depend on (kv_values.py): a model
+        # changed at the same path gets its own folder.
         if kv_values is not None:
             self.fields["kv_values"] = kv_values
         if not parallel_agnostic:
@@ -139,14 +139,14 @@ class FileMapper:
         kv_cache_groups = [
             _describe_group(group, parallel_agnostic) for group in config.groups
         ]
-        # What the model's K/V values depend on: read here, where a persistent
-        # tier starts, not where every connector builds its config.
-        source = config.model.kv_values_source
-        kv_values = None if source is None else describe_kv_values(source)
         canonical_format = None
         if config.canonical_layout:
             assert config.kv_cache_layout is not None
             canonical_format = canonical_format_id(config.kv_cache_layout)
+        # What the model's K/V values depend on: read here, where a persistent
+        # tier starts, not where every connector builds its config.
+        source = config.model.kv_values_source
+        model_values = None if source is None else kv_values.describe_kv_values(source)
         return cls(
             root_dir=root_dir,
             model_name=config.model.name,
@@ -158,8 +158,8 @@ class FileMapper:
             dcp_size=parallel.dcp_size,
             rank=parallel.rank,
             dtype=config.model.dtype,
+            kv_values=model_values,
             kv_cache_groups=kv_cache_groups,
-            kv_values=kv_values,
             parallel_agnostic=parallel_agnostic,
             replicated_layout=(parallel_agnostic and config.replicated_layout),
             canonical_format=canonical_format,

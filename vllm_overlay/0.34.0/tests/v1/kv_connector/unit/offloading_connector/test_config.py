@@ -1496,3 +1496,19 @@ def test_parallel_agnostic_file_identity_stays_tp_invariant(canonical_layout):
 
     assert fields(1)["kv_cache_groups"][0]["block_layout"]["kind"] == "attention"
     assert (fields(1) == fields(2)) == canonical_layout
+
+
+def test_file_identity_records_the_model_config():
+    """Another config at the same model path (a new rope_theta from
+    --hf-overrides, or config.json edited in place) computes other K/V: it
+    gets another storage namespace; the same config keeps it."""
+
+    def base_path(rope_theta: float) -> str:
+        config = _make_vllm_config()
+        config.model_config.hf_config = {"rope_theta": rope_theta}
+        spec = MagicMock()
+        spec.config = build_offloading_config(config, _make_kv_cache_config())
+        return FileMapper.from_offloading_spec("/cache", spec).base_path
+
+    assert base_path(10000.0) == base_path(10000.0)
+    assert base_path(40000.0) != base_path(10000.0)
