@@ -52,6 +52,7 @@ def make_mapper_from_offloading_spec(**kwargs) -> FileMapper:
         hf_config={},
         dtype="auto",
         quantization=None,
+        quantization_config=None,
         override_attention_dtype=None,
         max_model_len=1024,
     )
@@ -117,7 +118,7 @@ def test_get_file_name_full_structure():
     path = fm.get_file_name(key)
 
     expected_path = (
-        "/tmp/cache/test-model_beb1c906a4be_r3/000/10_g2/0001020304050607.bin"
+        "/tmp/cache/test-model_35727c2291ba_r3/000/10_g2/0001020304050607.bin"
     )
     assert path == expected_path
 
@@ -149,6 +150,7 @@ def test_get_run_config_fields():
             "hf_config": kv_values._config_digest({}),
             "dtype": "auto",
             "quantization": None,
+            "quantization_config": kv_values._config_digest({}),
             "override_attention_dtype": None,
             "kv_cache_dtype": "bfloat16",
             "kv_cache_dtype_skip_layers": [],

@@ -15,7 +15,7 @@ import os
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 import regex as re
@@ -37,7 +37,8 @@ KV_VALUES_VERSION = 1
 #     quantization_config. All of it but HF's bookkeeping, so a model's own
 #     field is never missed; a transformers upgrade that changes its defaults
 #     moves it (a miss).
-#   dtype, quantization, override_attention_dtype: how K/V are computed.
+#   dtype, quantization, quantization_config (online quantization's specs and
+#     ignore patterns), override_attention_dtype: how K/V are computed.
 #   kv_cache_dtype(_skip_layers), calculate_kv_scales, mamba_(ssm_)cache_dtype:
 #     how they are stored.
 #   max_model_len: LongRoPE models pick their rope factors by it (for other
@@ -65,6 +66,7 @@ class KVValuesSource:
     hf_config: str  # digest of the resolved HF config
     dtype: str | None
     quantization: str | None
+    quantization_config: str  # digest of model_config.quantization_config
     override_attention_dtype: str | None
     kv_cache_dtype: str | None
     kv_cache_dtype_skip_layers: tuple[str, ...]
@@ -89,6 +91,9 @@ class KVValuesSource:
             hf_config=_config_digest(model.hf_config),
             dtype=_name(model.dtype),
             quantization=_name(model.quantization),
+            quantization_config=_config_digest(
+                getattr(model, "quantization_config", None) or {}
+            ),
             override_attention_dtype=_name(
                 getattr(model, "override_attention_dtype", None)
             ),
@@ -148,8 +153,11 @@ _EXCLUDED_CONFIG_KEYS = frozenset(
 )
 
 
-def _config_digest(hf_config: Any) -> str:
-    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
+def _config_digest(config: Any) -> str:
+    if hasattr(config, "to_dict"):  # a PretrainedConfig
+        config = config.to_dict()
+    elif is_dataclass(config) and not isinstance(config, type):
+        config = asdict(config)  # QuantizationConfigArgs
     canonical = json.dumps(
         _without_bookkeeping(config),
         sort_keys=True,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm.config.quantization import QuantizationConfigArgs
 from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.kv_values import (
     KVValuesSource,
@@ -64,6 +65,14 @@ def test_new_weights_of_the_same_size_change_it(tmp_path):
     _write_model(tmp_path / "m", seed=1)
     assert (tmp_path / "m" / "model.safetensors").stat().st_size == size
     assert _digest(tmp_path / "m") != before
+
+
+def test_new_weights_change_the_record(tmp_path):
+    """The fingerprint is a field of the record FileMapper hashes."""
+    _write_model(tmp_path / "m", seed=0)
+    before = describe_kv_values(_source(model=str(tmp_path / "m")))
+    _write_model(tmp_path / "m", seed=1)
+    assert describe_kv_values(_source(model=str(tmp_path / "m"))) != before
 
 
 @pytest.mark.parametrize("changed", [0, 777, 1999])
@@ -200,6 +209,7 @@ def _source(**changes) -> KVValuesSource:
         hf_config="0" * 32,
         dtype="bfloat16",
         quantization=None,
+        quantization_config="0" * 32,
         override_attention_dtype=None,
         kv_cache_dtype="auto",
         kv_cache_dtype_skip_layers=(),
@@ -217,6 +227,7 @@ def _source(**changes) -> KVValuesSource:
         {"hf_config": "1" * 32},
         {"dtype": "float16"},
         {"quantization": "fp8"},
+        {"quantization_config": "1" * 32},
         {"kv_cache_dtype": "fp8"},
         {"kv_cache_dtype_skip_layers": ("layers.0",)},
         {"mamba_ssm_cache_dtype": "float32"},
@@ -238,6 +249,11 @@ def test_config_digest_covers_rope_not_bookkeeping():
     assert kv_values._config_digest({**base, "rope_theta": 80000.0}) != digest
     scaled = {**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     assert kv_values._config_digest(scaled) != digest
+    ignore = QuantizationConfigArgs(ignore=["lm_head"])
+    assert kv_values._config_digest(ignore) == kv_values._config_digest(
+        QuantizationConfigArgs(ignore=["lm_head"])
+    )
+    assert kv_values._config_digest(ignore) != kv_values._config_digest({})
     # one digest in every process: sets sorted, keys of any type
     assert kv_values._config_digest({"a": {"x", "y", "z"}, 1: 2}) == (
         kv_values._config_digest({1: 2, "a": {"z", "y", "x"}})

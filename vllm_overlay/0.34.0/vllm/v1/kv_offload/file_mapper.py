@@ -67,7 +67,7 @@ class FileMapper:
         rank: int,
         dtype: str,
         kv_cache_groups: list[dict] | None = None,
-        kv_values: dict | None = None,
+        model_values: dict | None = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
         replicated_layout: bool = False,
@@ -102,8 +102,8 @@ class FileMapper:
         }
         # What the model's K/V values depend on (kv_values.py): a model
         # changed at the same path gets its own folder.
-        if kv_values is not None:
-            self.fields["kv_values"] = kv_values
+        if model_values is not None:
+            self.fields["kv_values"] = model_values
         if not parallel_agnostic:
             self.fields["parallel_agnostic"] = False
         # Only written when True so existing deployments' hashed fields are
@@ -158,7 +158,7 @@ class FileMapper:
             dcp_size=parallel.dcp_size,
             rank=parallel.rank,
             dtype=config.model.dtype,
-            kv_values=model_values,
+            model_values=model_values,
             kv_cache_groups=kv_cache_groups,
             parallel_agnostic=parallel_agnostic,
             replicated_layout=(parallel_agnostic and config.replicated_layout),

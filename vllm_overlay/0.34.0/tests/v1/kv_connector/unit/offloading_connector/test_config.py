@@ -67,6 +67,7 @@ def _make_vllm_config(
         hf_config={},
         dtype=torch.float16,
         quantization=None,
+        quantization_config=None,
         override_attention_dtype=None,
     )
     config.cache_config.configure_mock(
