@@ -741,6 +741,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     # --- what each role says
     overview = [unit.overview or first_sentence(unit.problem)
                 or first_sentence(msgs[0][1] if msgs else "") or unit.title]
+    refs = [r for r in refs if not re.search(rf"{r}\b", overview[-1])]  # said already
     if refs:
         overview[-1] += " Related: " + ", ".join(refs) + "."
     bases, own = builds_on

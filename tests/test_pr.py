@@ -302,6 +302,13 @@ def test_pr_md_follows_another_releases_template():
     assert sections(md) == ["Purpose", "Test Plan", "Test Result"]
     purpose, plan, result = (md.split(f"## {s}")[1] for s in ("Purpose", "Test Plan", "Test Result"))
     assert "It was broken. Related: #12." in purpose and "- Fixed." in purpose
+    unit.overview = "Fixes #12: it was broken."  # a thread the overview names is not repeated
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        kit.write_pr_md(path, unit, "0.22.1", "v0.22.1", "pr/u", "0" * 40,
+                        [("[Core] Fix it", "Why.\n\nHow.")], None, before, after, ME, tpl)
+        assert "Fixes #12: it was broken.\n" in path.read_text()
     assert "pytest -q tests/test_a.py" in plan.split("## ")[0]
     assert "| `tests/test_a.py::test_a` | failed: `assert 1 == 2` | passed |" in result
     assert "- [x] The test results" in md and "- [ ] (Optional)" in md
