@@ -364,7 +364,8 @@ def test_the_fs_tier_fixes_are_two_review_sized_units():
 REVIEW_SIZED = ("hma-tiering-tests", "hma-worker-slots", "promotion-keeps-ready",
                 "file-layout-identity", "tier-model-config-namespace",
                 "tier-model-weights-namespace", "fs-block-files", "fs-root-faults",
-                "tier-remove-only-file-read", "tier-store-lookups", "tier-cache-salt")
+                "tier-remove-only-file-read", "tier-store-lookups", "tier-cache-salt",
+                "tier-safe-root")
 
 
 @pytest.mark.parametrize("name", REVIEW_SIZED)
