@@ -1006,6 +1006,7 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
         run_state_machine_as_test,
     )
 
+    from vllm.v1.kv_offload.base import make_offload_key
     from vllm.v1.kv_offload.tiering.fs import manager as fs_manager
 
     # injected I/O errors: the next n block batches read or written fail
