@@ -650,7 +650,8 @@ def fold(summary: str, body: list[str]) -> list[str]:
     return ["<details>", f"<summary>{summary}</summary>", "", *body, "", "</details>", ""]
 
 
-def checklist_state(item: str, tested: bool, hooks_ok: bool) -> tuple[bool, str]:
+def checklist_state(item: str, tested: bool, hooks_ok: bool,
+                    guards: bool = False) -> tuple[bool, str]:
     """(checked, why) for a checklist item: ticked only where make pr itself saw it done or
     wrote it; judgement calls (design fit, documentation, contents) stay open for the author."""
     i = item.lower()
@@ -663,7 +664,8 @@ def checklist_state(item: str, tested: bool, hooks_ok: bool) -> tuple[bool, str]
     if "test plan" in i:
         return True, "the commands under the test plan"
     if "test result" in i or "testing and validation" in i:
-        return tested, ("tests failing before, passing after" if tested
+        return tested, ("tests passing before and after (they guard existing behaviour)"
+                        if guards else "tests failing before, passing after" if tested
                         else "tests not run (`--no-tests`)")
     if "code quality" in i:
         return False, (("vLLM's pre-commit hooks passed; " if hooks_ok else "hooks not run; ")
@@ -737,6 +739,8 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     tested = before is not None and after is not None
     hooks_ok = hooks is not None
     tests = " ".join(unit.tests)
+    # tests that pass on the tag too: the unit guards existing behaviour (tests only)
+    guards = tested and not any(v[0] in ("failed", "error") for v in before["cases"].values())
     refs = sorted(set(re.findall(r"#\d+", " ".join(unit.threads))), key=lambda r: int(r[1:]))
     # --- what each role says
     overview = [unit.overview or first_sentence(unit.problem)
@@ -763,8 +767,10 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         n_fail = sum(v[0] in ("failed", "error") for v in before["cases"].values())
         others = "; the others pass on both" if n_fail < n_cases else ""
         verb = "fails on `{}` and passes" if n_fail == 1 else "fail on `{}` and pass"
-        result += [f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`: {n_fail} "
-                   + verb.format(tag) + f" with this change{others}.", ""]
+        cases = f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`"
+        result += [f"{cases}: {'it passes' if n_cases == 1 else 'they pass'} on `{tag}` and "
+                   "with this change: they guard existing behaviour." if guards else
+                   f"{cases}: {n_fail} " + verb.format(tag) + f" with this change{others}.", ""]
         shown = failing[:6]
         if shown:
             result += [f"| test | `{tag}` | this PR |", "| --- | --- | --- |"]
@@ -779,11 +785,14 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
                + (f"{sum(h['status'] == 'Passed' for h in hooks['results'])} passed on the "
                   f"{len(hooks['files'])} changed file(s)." if hooks else "not run (`--no-hooks`)."),
                ""]
-    plan = ["```bash", f"pytest -q {tests}   # fails on {tag}, passes on this branch",
+    outcome = (f"passes on {tag} and on this branch" if guards
+               else f"fails on {tag}, passes on this branch")
+    plan = ["```bash", f"pytest -q {tests}   # {outcome}",
             "```", ""] if unit.tests else []
     exact = [f"git checkout {branch}",
              f"git diff {tag} HEAD -- vllm/ | git apply -R   # the code of {tag}, the branch's tests",
-             f"pytest -q {tests}   # fails", "git checkout HEAD -- vllm/   # the branch's code",
+             f"pytest -q {tests}   # {'passes' if guards else 'fails'}",
+             "git checkout HEAD -- vllm/   # the branch's code",
              f"pytest -q {tests}   # passes"]
     if tested:
         exact += ["", "# what make pr ran (vLLM's test tree, the installed vLLM with the "
@@ -839,7 +848,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     if tpl.checklist:
         L += ["---", "", "<details>", f"<summary> {tpl.checklist_summary} </summary>", ""]
         for item in tpl.checklist:
-            ok, why = checklist_state(item, tested, hooks_ok)
+            ok, why = checklist_state(item, tested, hooks_ok, guards)
             L += [f"- [{'x' if ok else ' '}] {item}" + (f" <!-- {why} -->" if why else "")]
         L += ["</details>", ""]
     if tpl.tail:

@@ -315,6 +315,28 @@ def test_pr_md_follows_another_releases_template():
     assert words == kit.visible_words(md) <= kit.VISIBLE_WORDS
 
 
+def test_pr_md_of_tests_that_pass_before_says_they_guard():
+    """A unit whose tests pass on the tag too (tests only) says so: its PR.md claims no
+    failure on the tag, in the result, the commands or the checklist."""
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
+    unit = kit.Unit("u", "[Core] Test it", [], tests=["tests/test_a.py"], threads=[],
+                    overview="Tests only: it was untested.", claims=["Tested."])
+    run = {"cases": {"tests/test_a.py::test_a": ("passed", "")}, "seconds": 1, "rc": 0,
+           "command": "pytest"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
+                        [("[Core] Test it", "Why.")], None, run, run, ME, tpl)
+        md = path.read_text()
+    assert "it passes on `v0.34.0` and with this change: they guard existing" in md
+    assert "# passes on v0.34.0 and on this branch" in md
+    assert "tests passing before and after" in md
+    assert "fail" not in md.lower()
+
+
 def test_every_unit_of_the_upstream_track_fits_400_words():
     """Each unit of patches/0.34.0/pr-units.toml, with its real commit messages and a
     before/after table of 40 tests, shows at most 400 words before any <details>."""
