@@ -768,8 +768,9 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         others = "; the others pass on both" if n_fail < n_cases else ""
         verb = "fails on `{}` and passes" if n_fail == 1 else "fail on `{}` and pass"
         cases = f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`"
-        result += [f"{cases}: {'it passes' if n_cases == 1 else 'they pass'} on `{tag}` and "
-                   "with this change: they guard existing behaviour." if guards else
+        one = n_cases == 1
+        result += [f"{cases}: {'it passes' if one else 'they pass'} on `{tag}` and with this "
+                   f"change: {'it guards' if one else 'they guard'} existing behaviour." if guards else
                    f"{cases}: {n_fail} " + verb.format(tag) + f" with this change{others}.", ""]
         shown = failing[:6]
         if shown:

@@ -331,7 +331,7 @@ def test_pr_md_of_tests_that_pass_before_says_they_guard():
         kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
                         [("[Core] Test it", "Why.")], None, run, run, ME, tpl)
         md = path.read_text()
-    assert "it passes on `v0.34.0` and with this change: they guard existing" in md
+    assert "it passes on `v0.34.0` and with this change: it guards existing" in md
     assert "# passes on v0.34.0 and on this branch" in md
     assert "tests passing before and after" in md
     assert "fail" not in md.lower()

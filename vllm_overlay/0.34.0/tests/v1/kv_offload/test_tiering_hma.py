@@ -1019,6 +1019,7 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
                 fail = faults["budget"] > 0
                 faults["budget"] -= fail
             if fail:
+                counts["I/O errors injected"] += 1
                 raise OSError(errno.EIO, "injected I/O error")
             return io_fn(*args, **kwargs)
 
@@ -1203,6 +1204,7 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             root, behind the tier's back (another engine, an operator, a
             crash)."""
             counts["rules"] += 1
+            counts[f"damage: {how}"] += 1
             if how == "root":
                 shutil.rmtree(root_dir, ignore_errors=True)
                 return
@@ -1228,6 +1230,8 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             promotions allowed again)."""
             counts["rules"] += 1
             assert self.manager is not None
+            counts["resets"] += 1
+            counts["resets with jobs in flight"] += bool(self.jobs)
             with self.manager.lock:
                 self.manager.reset_cache()
                 self.ready.clear()
@@ -1307,7 +1311,8 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
                     written.update(meta.transfer_job.keys)
                 else:
                     holders.update(meta.transfer_job.keys)
-            # chunks pinned for waiting requests
+            # chunks pinned for waiting requests: none on v0.34.0; the fix
+            # that keeps chunks reported ready (#50014's concern) adds them
             for held in getattr(manager, "_held", {}).values():
                 holders.update(held.keys)
             # (jobs flushed by a reset hold nothing: the reset freed them)
@@ -1377,7 +1382,18 @@ def test_random_sequences_keep_the_invariants(model_config, tmp_path, monkeypatc
             derandomize=not _SOAK_EXAMPLES,
             database=None,
             deadline=None,
-            suppress_health_check=list(HealthCheck),
+            suppress_health_check=[HealthCheck.too_slow],
         ),
     )
-    print(f"hypothesis {hypothesis.__version__}: {dict(counts)}")
+    if _SOAK_EXAMPLES:
+        print(f"hypothesis {hypothesis.__version__}: {dict(counts)}")
+    else:
+        # the derandomized run reaches what the invariants are about
+        for what in (
+            "lookups deferred",
+            "chunks loaded",
+            "resets with jobs in flight",
+            "I/O errors injected",
+            "damage: root",
+        ):
+            assert counts[what] > 0, f"no {what} in {dict(counts)}"
