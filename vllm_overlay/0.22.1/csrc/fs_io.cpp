@@ -524,7 +524,8 @@ inline PyObject* index_list(const std::vector<Py_ssize_t>& indices) {
 
 /// @brief Check file existence for a batch of paths.
 /// @param paths list[str] – absolute paths to check.
-/// @return list[bool] – True if the corresponding path exists, False otherwise.
+/// @return list[bool] – True if the corresponding path exists and is not a
+///         symbolic link, False otherwise.
 /// @note Releases the GIL for the entire batch. File existence via lstat(2):
 ///       a symbolic link counts as missing.
 static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
@@ -819,7 +820,8 @@ static PyMethodDef fs_io_C_methods[] = {
     {"batch_lookup", batch_lookup, METH_VARARGS,
      "batch_lookup(paths: list[str]) -> list[bool]\n"
      "\n"
-     "Check file existence for a batch of paths."},
+     "Check file existence for a batch of paths (a symbolic link counts as "
+     "missing)."},
     {"batch_store_block", batch_store_block, METH_VARARGS,
      "batch_store_block(tmp_paths: list[str], dest_paths: list[str],\n"
      "                  buffers: list[bytes-like],\n"

@@ -245,6 +245,63 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
     make_tier(parent / "kv2", rows(2)).shutdown()
 
 
+def test_a_root_the_tier_created_is_used_again_under_umask_002(tmp_path):
+    """The missing root is created 0700 whatever the umask: under umask 002
+    it would be group-writable, and the next start would refuse the root the
+    tier created itself."""
+    old = os.umask(0o002)
+    try:
+        for _ in range(2):
+            make_tier(tmp_path / "new" / "kv", rows(2)).shutdown()
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "new", tmp_path / "new" / "kv"):
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["symlink", "foreign_dir"])
+def test_a_root_planted_while_the_tier_starts_is_refused(
+    tmp_path, monkeypatch, planted
+):
+    """A missing root is checked again once created: a link (or another
+    user's directory) put at its name between the check and the creation,
+    as in a sticky /tmp, is refused, not used."""
+    if planted == "foreign_dir" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    root = tmp_path / "kv"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    real_mkdir = os.mkdir
+
+    def squatted_mkdir(path, mode=0o777):
+        if str(path) == str(root):  # another user wins the race
+            if planted == "symlink":
+                os.symlink(elsewhere, path)
+            else:
+                real_mkdir(path, 0o700)
+                os.chown(path, 54321, -1)
+            raise FileExistsError(path)
+        return real_mkdir(path, mode)
+
+    monkeypatch.setattr(os, "mkdir", squatted_mkdir)
+    with pytest.raises(ValueError) as refused:
+        make_tier(root, rows(2)).shutdown()
+    message = str(refused.value)
+    if planted == "symlink":
+        assert "became a symbolic link while it was checked" in message
+    else:
+        assert "is owned by another user" in message
+    assert os.listdir(elsewhere) == []
+
+
+def test_a_root_created_with_group_access_is_the_groups(tmp_path):
+    """With group_access the missing root is created 2770, as the tier's
+    other directories: the group's engines store into it."""
+    root = tmp_path / "new" / "kv"
+    make_tier(root, rows(2), group_access=True).shutdown()
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o2770
+
+
 def _a_stranger_group() -> int:
     """A gid the engine's user is not a member of."""
     mine = {os.getegid(), *os.getgroups()}

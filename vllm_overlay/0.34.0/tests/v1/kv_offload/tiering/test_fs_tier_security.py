@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import vllm.v1.kv_offload.tiering.fs.io as io_mod
+import vllm.v1.kv_offload.tiering.fs.manager as manager_mod
 from tests.v1.kv_offload.tiering.test_fs_tier import (
     _CTX,
     _make_offloading_spec,
@@ -99,10 +100,13 @@ def modes_under(top) -> dict[str, int]:
 
 @pytest.fixture(params=[True, False], ids=["c_ext", "python"])
 def io_path(request, monkeypatch):
-    """Both I/O paths: the fs_io_C extension and the Python fallback."""
+    """Both I/O paths: the fs_io_C extension and the Python fallback (loads,
+    stores and lookups)."""
     if request.param and not io_mod._HAS_FSIO_C:
         pytest.skip("fs_io_C extension not built")
     monkeypatch.setattr(io_mod, "_HAS_FSIO_C", request.param)
+    if not request.param:
+        monkeypatch.setattr(manager_mod, "_HAS_BATCH_LOOKUP_C", False)
     return request.param
 
 
@@ -273,9 +277,10 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
     sticky bit, as /tmp has, is fine."""
     parent = tmp_path / "shared"
     parent.mkdir()
-    os.chmod(parent, 0o777)
-    message = _refused(parent / "kv")
-    assert f"a parent, {parent} (mode 0777" in message
+    for mode in (0o777, 0o775):
+        os.chmod(parent, mode)
+        message = _refused(parent / "kv")
+        assert f"a parent, {parent} (mode {mode:04o}" in message
     os.chmod(parent, 0o1777)
     make_tier(parent / "kv", rows(2)).shutdown()
     # an existing private root in a sticky parent, as /tmp/kv
@@ -382,14 +387,73 @@ def test_a_root_given_through_a_symlink_is_used_resolved(tmp_path):
 def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
     """A root (or parent) owned by another user, who could change its modes
     or replace what is in it at any time, is refused at start."""
-    root = tmp_path / "kv"
+    parent = tmp_path / "shared"
+    parent.mkdir(mode=0o700)
+    root = parent / "kv"
     root.mkdir(mode=0o700)
     other_uid = 54321
-    os.chown(root if where == "root" else tmp_path, other_uid, -1)
+    os.chown(root if where == "root" else parent, other_uid, -1)
     message = _refused(root)
     assert f"owner uid {other_uid}" in message
     assert "is owned by another user" in message
     assert "Fix: run the engine as that user, or use a root_dir owned by" in message
+
+
+def test_a_root_the_tier_created_is_used_again_under_umask_002(tmp_path):
+    """The missing root is created 0700 whatever the umask: under umask 002
+    it would be group-writable, and the next start would refuse the root the
+    tier created itself."""
+    old = os.umask(0o002)
+    try:
+        for _ in range(2):
+            make_tier(tmp_path / "new" / "kv", rows(2)).shutdown()
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "new", tmp_path / "new" / "kv"):
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["symlink", "foreign_dir"])
+def test_a_root_planted_while_the_tier_starts_is_refused(
+    tmp_path, monkeypatch, planted
+):
+    """A missing root is checked again once created: a link (or another
+    user's directory) put at its name between the check and the creation,
+    as in a sticky /tmp, is refused, not used."""
+    if planted == "foreign_dir" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    root = tmp_path / "kv"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    real_mkdir = os.mkdir
+
+    def squatted_mkdir(path, mode=0o777):
+        if str(path) == str(root):  # another user wins the race
+            if planted == "symlink":
+                os.symlink(elsewhere, path)
+            else:
+                real_mkdir(path, 0o700)
+                os.chown(path, 54321, -1)
+            raise FileExistsError(path)
+        return real_mkdir(path, mode)
+
+    monkeypatch.setattr(os, "mkdir", squatted_mkdir)
+    with pytest.raises(ValueError) as refused:
+        make_tier(root, rows(2)).shutdown()
+    message = str(refused.value)
+    if planted == "symlink":
+        assert "became a symbolic link while it was checked" in message
+    else:
+        assert "is owned by another user" in message
+    assert os.listdir(elsewhere) == []
+
+
+def test_a_root_created_with_group_access_is_the_groups(tmp_path):
+    """With group_access the missing root is created 2770, as the tier's
+    other directories: the group's engines store into it."""
+    root = tmp_path / "new" / "kv"
+    make_tier(root, rows(2), group_access=True).shutdown()
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o2770
 
 
 def test_the_o_direct_probe_never_writes_through_a_planted_link(tmp_path, monkeypatch):

@@ -345,16 +345,16 @@ class FileSystemTierManager(SecondaryTierManager):
     ):
         _check_settings(tier_type, cleanup_stale_tmp_after_seconds, group_access)
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
-        # From here on the resolved root, the one checked: a symlink in the
-        # given path could be repointed after the check.
-        root_dir = check_root_dir(root_dir, tier_type, group_access)
-        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         tier_key = (
             load_key_file(key_file, tier_type, group_access)
             if key_file is not None
             else None
         )
         _check_checksum(tier_type, checksum, tier_key)
+        # From here on the resolved root, the one checked: a symlink in the
+        # given path could be repointed after the check.
+        root_dir = check_root_dir(root_dir, tier_type, group_access)
+        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         super().__init__(offloading_spec, primary_kv_view, tier_type)
 
         assert primary_kv_view.strides is not None, "a view of rows"

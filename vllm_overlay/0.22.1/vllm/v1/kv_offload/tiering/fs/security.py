@@ -6,7 +6,7 @@ key.
 The tier's files are users' KV blocks, served to every request that shares
 their prefix. Whoever can write into the root (or rename one of its
 parents) can replace the tree with their own and have their bytes served
-as a prefix's KV, or read what others' requests cached. So, as OpenSSH's
+as a prefix's KV. So, as OpenSSH's
 StrictModes and PostgreSQL's data-directory check do, the root and each of
 its parents must be
 
@@ -23,11 +23,12 @@ its parents must be
 
 A root that fails is refused with a ValueError that names the path, its
 mode and owner, and the fix, before the tier creates or starts anything.
-A root that does not exist yet is checked from its nearest existing parent
-(the tier creates the rest private). Symbolic links in the root's path are
-resolved first, and the resolved root is returned: the tier uses that
-path, so the directories checked are the ones it uses, even if a link in
-root_dir's path is repointed later.
+A root that does not exist yet is checked from its nearest existing parent,
+then created 0700 (2770 with group_access) and checked again: a directory
+or link another user puts in its place meanwhile is refused, not used.
+Symbolic links in the root's path are resolved first, and the resolved root
+is returned: the tier uses that path, so the directories checked are the
+ones it uses, even if a link in root_dir's path is repointed later.
 
 The key (the tier config's "key_file", optional) makes a shared root a
 keyed namespace: engines with the same key share blocks, others - and
@@ -47,6 +48,11 @@ import hmac
 import os
 import pwd
 import stat
+
+# The modes of the root directories this module creates: private, or with
+# group_access the group's (setgid, group-writable), as the tier's own.
+_DIR_MODE = 0o700
+_GROUP_DIR_MODE = 0o2770
 
 
 def _owner_name(uid: int) -> str:
@@ -103,16 +109,19 @@ def _unsafe_reason(
     return None
 
 
-def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
-    """Raise ValueError unless *root_dir* and its parents are safe (see the
-    module docstring) for the tier *tier_type*. Returns the resolved root
-    (os.path.realpath), the one path the tier must use from then on."""
-    root = path = os.path.realpath(root_dir)
+def _check_dirs(
+    root_dir: str, root: str, tier_type: str, group_access: bool
+) -> list[str]:
+    """Raise unless the resolved root *root* and its existing parents are
+    safe; return the missing ones, outermost first."""
+    missing: list[str] = []
+    path = root
     while True:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
-            st = None  # created by the tier, private
+            st = None
+            missing.append(path)
         except OSError as e:
             # still an OSError, as for a root_dir the tier cannot create
             raise OSError(
@@ -123,21 +132,57 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
             ) from None
         if st is not None:
             is_root = path == root
+            what = "root_dir" if is_root else "a parent"
+            if stat.S_ISLNK(st.st_mode):
+                # resolved above: a link now is one put there meanwhile
+                raise ValueError(
+                    f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
+                    f"{what}, {path}, became a symbolic link while it was checked. "
+                    "Fix: use a root_dir whose parents only the engine's user can "
+                    "change"
+                )
             unsafe = _unsafe_reason(st, path, group_access, is_root)
             if unsafe is not None:
                 reason, fix = unsafe
-                what = "root_dir" if is_root else "a parent"
                 mode = stat.S_IMODE(st.st_mode)
                 raise ValueError(
                     f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
                     f"{what}, {path} (mode {mode:04o}, owner uid "
-                    f"{_owner_name(st.st_uid)}), {reason}, who could read, replace "
-                    f"or plant the cached KV blocks. Fix: {fix}"
+                    f"{_owner_name(st.st_uid)}), {reason}, who could replace or "
+                    f"plant the cached KV blocks. Fix: {fix}"
                 )
         parent = os.path.dirname(path)
         if parent == path:
-            return root
+            return missing[::-1]
         path = parent
+
+
+def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
+    """Raise ValueError unless *root_dir* and its parents are safe (see the
+    module docstring) for the tier *tier_type*; create the missing part of
+    the root. Returns the resolved root (os.path.realpath), the one path the
+    tier must use from then on."""
+    root = os.path.realpath(root_dir)
+    missing = _check_dirs(root_dir, root, tier_type, group_access)
+    if missing:
+        mode = _GROUP_DIR_MODE if group_access else _DIR_MODE
+        # Created here with the tier's mode, then checked again: a directory
+        # or link another user puts in its place meanwhile is refused.
+        for path in missing:
+            try:
+                os.mkdir(path, mode)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
+                    f"created: {path}: {e.strerror}. Fix: create it, or use a "
+                    "root_dir in a directory the engine's user can write",
+                ) from None
+            os.chmod(path, mode)  # exact, whatever the umask
+        _check_dirs(root_dir, root, tier_type, group_access)
+    return root
 
 
 MIN_KEY_BYTES = 32

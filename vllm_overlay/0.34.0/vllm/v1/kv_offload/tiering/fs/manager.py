@@ -36,7 +36,8 @@ Trust (see fs/security.py):
     refused at start with a ValueError naming the path, its mode and owner,
     and the fix. Block files are opened with O_NOFOLLOW and looked up with
     lstat: a symbolic link at a block's path is a miss, never read through;
-    a store replaces it with the block.
+    a store replaces it with the block. Directories below the root are the
+    tier's own: a link planted in them needs write access to them.
 
 Keyed namespace (the tier config's "key_file", off by default):
     For a store shared by several engines (NFS, a PVC): with a key read from
@@ -207,7 +208,7 @@ class FsAsyncLookupManager(AsyncLookupManager):
     ) -> Iterable[bool]:
         paths = [self._tier.file_mapper.get_file_name(k) for k in keys]
         if _HAS_BATCH_LOOKUP_C:
-            # C extension: GIL released for the entire faccessat() batch.
+            # C extension: GIL released for the entire lstat() batch.
             return batch_lookup_C(paths)
         return (is_block_path(p) for p in paths)
 
@@ -404,15 +405,15 @@ class FileSystemTierManager(SecondaryTierManager):
             tier_type, cleanup_stale_tmp_after_seconds, group_access, checksum_blocks
         )
         self._modes = GROUP_MODES if group_access else PRIVATE_MODES
-        # From here on the resolved root, the one checked: a symlink in the
-        # given path could be repointed after the check.
-        root_dir = check_root_dir(root_dir, tier_type, group_access)
-        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         tier_key = (
             load_key_file(key_file, tier_type, group_access)
             if key_file is not None
             else None
         )
+        # From here on the resolved root, the one checked: a symlink in the
+        # given path could be repointed after the check.
+        root_dir = check_root_dir(root_dir, tier_type, group_access)
+        self._label = f"'{tier_type}' KV offload tier at {root_dir}"
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, backpressure_detector
         )
