@@ -224,9 +224,12 @@ def test_a_root_others_can_write_is_refused(tmp_path, mode, config, refusal):
     assert f"root_dir {str(root)!r} of the 'fs_python' tier is unsafe" in message
     assert f"{root} (mode {mode:04o}, owner uid {os.geteuid()}" in message
     assert refusal in message
-    assert f"Fix: chmod {'o-w' if config else 'go-w'} {root}" in message or (
-        f"Fix: chmod g-w {root}" in message and "'group_access': true" in message
-    )
+    if mode & 0o1000:  # a scratch directory such as /tmp: not to chmod
+        assert f"Fix: use a directory in it as root_dir, e.g. {root}/" in message
+    else:
+        assert f"Fix: chmod {'o-w' if config else 'go-w'} {root}" in message or (
+            f"Fix: chmod g-w {root}" in message and "'group_access': true" in message
+        )
 
 
 def test_a_parent_others_can_write_is_refused(tmp_path):
@@ -248,15 +251,26 @@ def test_a_parent_others_can_write_is_refused(tmp_path):
 def test_a_root_the_tier_created_is_used_again_under_umask_002(tmp_path):
     """The missing root is created 0700 whatever the umask: under umask 002
     it would be group-writable, and the next start would refuse the root the
-    tier created itself."""
+    tier created itself. No directory the tier creates below it is writable
+    by others either (they could plant blocks there)."""
+    root = tmp_path / "new" / "kv"
     old = os.umask(0o002)
     try:
         for _ in range(2):
-            make_tier(tmp_path / "new" / "kv", rows(2)).shutdown()
+            tier = make_tier(root, rows(2))
+            try:
+                tier.submit_store(job(1, [key(1)], [0]))
+                assert [r.success for r in finish(tier)] == [True]
+            finally:
+                tier.shutdown()
     finally:
         os.umask(old)
-    for path in (tmp_path / "new", tmp_path / "new" / "kv"):
+    for path in (tmp_path / "new", root):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+    dirs = [d for d, _, _ in os.walk(root)]
+    assert len(dirs) > 3  # the model's, the rank's and the blocks' directories
+    for d in dirs:
+        assert not stat.S_IMODE(os.lstat(d).st_mode) & 0o022, d
 
 
 @pytest.mark.parametrize("planted", ["symlink", "foreign_dir"])
@@ -273,15 +287,15 @@ def test_a_root_planted_while_the_tier_starts_is_refused(
     elsewhere.mkdir(mode=0o700)
     real_mkdir = os.mkdir
 
-    def squatted_mkdir(path, mode=0o777):
-        if str(path) == str(root):  # another user wins the race
+    def squatted_mkdir(path, mode=0o777, *, dir_fd=None):
+        if os.path.realpath(path) == os.path.realpath(root):  # another user wins
             if planted == "symlink":
                 os.symlink(elsewhere, path)
             else:
                 real_mkdir(path, 0o700)
                 os.chown(path, 54321, -1)
             raise FileExistsError(path)
-        return real_mkdir(path, mode)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
 
     monkeypatch.setattr(os, "mkdir", squatted_mkdir)
     with pytest.raises(ValueError) as refused:

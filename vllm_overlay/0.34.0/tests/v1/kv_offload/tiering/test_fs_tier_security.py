@@ -243,12 +243,17 @@ def _refused(root, **config) -> str:
         (0o777, {"group_access": True}, "is writable by all users", "chmod o-w"),
         (0o770, {}, "is writable by its group", "chmod g-w"),
         (0o757, {}, "is writable by all users", "chmod go-w"),
-        (0o1777, {}, "is writable by all users (the sticky bit", "chmod go-w"),
+        (
+            0o1777,
+            {},
+            "is writable by all users (the sticky bit",
+            "use a directory in it as root_dir, e.g.",
+        ),
         (
             0o1777,
             {"group_access": True},
             "is writable by all users (the sticky bit",
-            "chmod o-w",
+            "use a directory in it as root_dir, e.g.",
         ),
     ],
 )
@@ -399,18 +404,29 @@ def test_a_root_owned_by_another_user_is_refused(tmp_path, where):
     assert "Fix: run the engine as that user, or use a root_dir owned by" in message
 
 
-def test_a_root_the_tier_created_is_used_again_under_umask_002(tmp_path):
+def test_a_root_the_tier_created_is_used_again_under_umask_002(tmp_path, io_path):
     """The missing root is created 0700 whatever the umask: under umask 002
     it would be group-writable, and the next start would refuse the root the
-    tier created itself."""
+    tier created itself. No directory the tier creates below it is writable
+    by others either (they could plant blocks there)."""
+    root = tmp_path / "new" / "kv"
     old = os.umask(0o002)
     try:
         for _ in range(2):
-            make_tier(tmp_path / "new" / "kv", rows(2)).shutdown()
+            tier = make_tier(root, rows(2))
+            try:
+                tier.submit_store(job(1, [key(1)], [0]))
+                assert finish(tier) == [True]
+            finally:
+                tier.shutdown()
     finally:
         os.umask(old)
-    for path in (tmp_path / "new", tmp_path / "new" / "kv"):
+    for path in (tmp_path / "new", root):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700
+    dirs = [d for d, _, _ in os.walk(root)]
+    assert len(dirs) > 3  # the model's, the rank's and the blocks' directories
+    for d in dirs:
+        assert not stat.S_IMODE(os.lstat(d).st_mode) & 0o022, d
 
 
 @pytest.mark.parametrize("planted", ["symlink", "foreign_dir"])
@@ -427,15 +443,15 @@ def test_a_root_planted_while_the_tier_starts_is_refused(
     elsewhere.mkdir(mode=0o700)
     real_mkdir = os.mkdir
 
-    def squatted_mkdir(path, mode=0o777):
-        if str(path) == str(root):  # another user wins the race
+    def squatted_mkdir(path, mode=0o777, *, dir_fd=None):
+        if os.path.realpath(path) == os.path.realpath(root):  # another user wins
             if planted == "symlink":
                 os.symlink(elsewhere, path)
             else:
                 real_mkdir(path, 0o700)
                 os.chown(path, 54321, -1)
             raise FileExistsError(path)
-        return real_mkdir(path, mode)
+        return real_mkdir(path, mode, dir_fd=dir_fd)
 
     monkeypatch.setattr(os, "mkdir", squatted_mkdir)
     with pytest.raises(ValueError) as refused:

@@ -43,6 +43,7 @@ it (HKDF-SHA256, RFC 5869): one names the files, one MACs the blocks. The
 key and what is derived from it are never logged or written anywhere.
 """
 
+import errno
 import hashlib
 import hmac
 import os
@@ -72,6 +73,8 @@ def _unsafe_reason(
     """Why the directory *path* with stat *st* (the root itself if
     *is_root*, else one of its parents) cannot be trusted, and the fix: a
     (reason, fix) pair, or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory", "use a root_dir that is a directory"
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):
         return "is owned by another user", (
@@ -85,12 +88,16 @@ def _unsafe_reason(
         "group_access its group) can write"
     )
     if st.st_mode & stat.S_IWOTH:
-        fix = f"chmod {'o-w' if group_access else 'go-w'} {path}, or {chmod_fix}"
         if st.st_mode & stat.S_ISVTX:
+            # a shared scratch directory such as /tmp or /dev/shm: not to chmod
             return (
                 "is writable by all users (the sticky bit does not stop them "
                 "creating the tier's directories and files in it)"
-            ), fix
+            ), (
+                "use a directory in it as root_dir, e.g. "
+                f"{os.path.join(path, 'vllm-kv')} (the tier creates it)"
+            )
+        fix = f"chmod {'o-w' if group_access else 'go-w'} {path}, or {chmod_fix}"
         return "is writable by all users", fix
     if st.st_mode & stat.S_IWGRP:
         if not group_access:
@@ -109,52 +116,43 @@ def _unsafe_reason(
     return None
 
 
-def _check_dirs(
-    root_dir: str, root: str, tier_type: str, group_access: bool
-) -> list[str]:
-    """Raise unless the resolved root *root* and its existing parents are
-    safe; return the missing ones, outermost first."""
-    missing: list[str] = []
-    path = root
-    while True:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-            missing.append(path)
-        except OSError as e:
-            # still an OSError, as for a root_dir the tier cannot create
-            raise OSError(
-                e.errno,
-                f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
-                f"checked: {path}: {e.strerror}. Fix: use a root_dir whose "
-                "parents are directories the engine's user can search",
-            ) from None
-        if st is not None:
-            is_root = path == root
-            what = "root_dir" if is_root else "a parent"
-            if stat.S_ISLNK(st.st_mode):
-                # resolved above: a link now is one put there meanwhile
-                raise ValueError(
-                    f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
-                    f"{what}, {path}, became a symbolic link while it was checked. "
-                    "Fix: use a root_dir whose parents only the engine's user can "
-                    "change"
-                )
-            unsafe = _unsafe_reason(st, path, group_access, is_root)
-            if unsafe is not None:
-                reason, fix = unsafe
-                mode = stat.S_IMODE(st.st_mode)
-                raise ValueError(
-                    f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
-                    f"{what}, {path} (mode {mode:04o}, owner uid "
-                    f"{_owner_name(st.st_uid)}), {reason}, who could replace or "
-                    f"plant the cached KV blocks. Fix: {fix}"
-                )
-        parent = os.path.dirname(path)
-        if parent == path:
-            return missing[::-1]
-        path = parent
+def _check_dir(
+    root_dir: str, tier_type: str, group_access: bool, path: str, is_root: bool
+) -> bool:
+    """Raise unless the directory *path* (the resolved root if *is_root*,
+    else one of its parents) is safe; False if nothing is there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        # still an OSError, as for a root_dir the tier cannot create
+        raise OSError(
+            e.errno,
+            f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
+            f"checked: {path}: {e.strerror}. Fix: use a root_dir whose "
+            "parents are directories the engine's user can search",
+        ) from None
+    what = "root_dir" if is_root else "a parent"
+    if stat.S_ISLNK(st.st_mode):
+        # resolved before the check: a link now is one put there meanwhile
+        raise ValueError(
+            f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
+            f"{what}, {path}, became a symbolic link while it was checked. "
+            "Fix: remove the link, or use a root_dir whose parents only the "
+            "engine's user can change"
+        )
+    unsafe = _unsafe_reason(st, path, group_access, is_root)
+    if unsafe is not None:
+        reason, fix = unsafe
+        mode = stat.S_IMODE(st.st_mode)
+        raise ValueError(
+            f"root_dir {root_dir!r} of the '{tier_type}' tier is unsafe: "
+            f"{what}, {path} (mode {mode:04o}, owner uid "
+            f"{_owner_name(st.st_uid)}), {reason}, who could replace or "
+            f"plant the cached KV blocks. Fix: {fix}"
+        )
+    return True
 
 
 def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
@@ -163,25 +161,41 @@ def check_root_dir(root_dir: str, tier_type: str, group_access: bool) -> str:
     the root. Returns the resolved root (os.path.realpath), the one path the
     tier must use from then on."""
     root = os.path.realpath(root_dir)
-    missing = _check_dirs(root_dir, root, tier_type, group_access)
-    if missing:
-        mode = _GROUP_DIR_MODE if group_access else _DIR_MODE
-        # Created here with the tier's mode, then checked again: a directory
-        # or link another user puts in its place meanwhile is refused.
-        for path in missing:
+    paths = [root]  # the root and its parents, innermost first
+    while os.path.dirname(paths[-1]) != paths[-1]:
+        paths.append(os.path.dirname(paths[-1]))
+    missing = [
+        path
+        for path in paths
+        if not _check_dir(root_dir, tier_type, group_access, path, path == root)
+    ]
+    # Created outermost first with the tier's mode, each level checked as it
+    # is made: a directory or link another user puts there meanwhile is
+    # refused before anything is made in it.
+    mode = _GROUP_DIR_MODE if group_access else _DIR_MODE
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, mode)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
             try:
-                os.mkdir(path, mode)
-            except FileExistsError:
-                continue
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
-                    f"created: {path}: {e.strerror}. Fix: create it, or use a "
-                    "root_dir in a directory the engine's user can write",
-                ) from None
-            os.chmod(path, mode)  # exact, whatever the umask
-        _check_dirs(root_dir, root, tier_type, group_access)
+                os.fchmod(fd, mode)  # exact, whatever the umask
+            finally:
+                os.close(fd)
+        except FileExistsError:
+            pass  # made meanwhile: checked below
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"root_dir {root_dir!r} of the '{tier_type}' tier cannot be "
+                f"created: {path}: {e.strerror}. Fix: create it, or use a "
+                "root_dir in a directory the engine's user can write",
+            ) from None
+        if not _check_dir(root_dir, tier_type, group_access, path, path == root):
+            raise OSError(
+                errno.ENOENT,
+                f"root_dir {root_dir!r} of the '{tier_type}' tier: {path} was "
+                "removed while the tier created it. Fix: start the engine again",
+            )
     return root
 
 
