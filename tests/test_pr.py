@@ -387,7 +387,7 @@ REVIEW_SIZED = ("hma-tiering-tests", "hma-worker-slots", "promotion-keeps-ready"
                 "file-layout-identity", "tier-model-config-namespace",
                 "tier-model-weights-namespace", "fs-block-files", "fs-root-faults",
                 "tier-remove-only-file-read", "tier-store-lookups", "tier-cache-salt",
-                "tier-safe-root", "tiering-random-sequences")
+                "tier-safe-root", "tiering-random-sequences", "tier-other-layouts")
 
 
 @pytest.mark.parametrize("name", REVIEW_SIZED)

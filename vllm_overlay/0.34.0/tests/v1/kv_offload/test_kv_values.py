@@ -18,7 +18,6 @@ from vllm.v1.kv_offload import kv_values
 from vllm.v1.kv_offload.kv_values import (
     KVValuesSource,
     describe_kv_values,
-    layout_change,
     weights_fingerprint,
 )
 
@@ -293,4 +292,4 @@ def test_config_digest_covers_rope_not_bookkeeping():
 )
 def test_layout_change_says_what_differs(theirs, expected):
     ours = {"model_name": "m", "kv_values": {"weights": 1, "hf_config": 1}}
-    assert layout_change(ours, theirs) == expected
+    assert kv_values.layout_change(ours, theirs) == expected
