@@ -18,6 +18,7 @@ from _lib import SERIES_VERSION, UserError, overlay_dir, rel, run_main, say, ser
 # Identical on both tracks: a change to one is made to the other in the same commit.
 SHARED = (
     "csrc/fs_io.cpp",
+    "vllm/v1/kv_offload/kv_values.py",
     "vllm/v1/kv_offload/tiering/fs/budget.py",
     "vllm/v1/kv_offload/tiering/fs/files.py",
     "vllm/v1/kv_offload/tiering/fs/io.py",

@@ -147,6 +147,46 @@ def _name(value: Any) -> str | None:
     return None if value is None else str(value).removeprefix("torch.")
 
 
+# What layout_change() names, for a field of the record that differs.
+_VALUE_CHANGES = {
+    "version": "fingerprint version changed",
+    "weights": "weights changed",
+    "load_format": "weights' source changed",
+    "model_weights": "weights' source changed",
+    "hf_config": "model config changed",
+    "max_model_len": "max_model_len changed",
+}
+
+
+def layout_change(ours: dict, theirs: dict | None) -> str:
+    """What differs between this layout's recorded fields (FileMapper's,
+    config.json) and another layout's of the same model, for a start-up
+    line: "weights changed", "model config changed", "dtype or quantization
+    changed" (compute or cache dtypes), "other settings: <field>, ..." (block
+    layout, tier settings, parallelism)."""
+    if theirs is None:
+        return "no readable config.json"
+    if "kv_values" not in theirs:
+        return "written before the model's values were recorded"
+    ours_values, their_values = ours.get("kv_values") or {}, theirs["kv_values"]
+    if not isinstance(their_values, dict):
+        return "unreadable kv_values"
+    changes = []
+    for field in sorted(set(ours_values) | set(their_values)):
+        if ours_values.get(field) != their_values.get(field):
+            change = _VALUE_CHANGES.get(field, "dtype or quantization changed")
+            if change not in changes:
+                changes.append(change)
+    settings = sorted(
+        k
+        for k in set(ours) | set(theirs)
+        if k != "kv_values" and ours.get(k) != theirs.get(k)
+    )
+    if settings:
+        changes.append("other settings: " + ", ".join(settings))
+    return "; ".join(changes) or "the same fields"
+
+
 # HF's own bookkeeping in PretrainedConfig.to_dict(): not the model's.
 _EXCLUDED_CONFIG_KEYS = frozenset(
     {"_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation"}
@@ -371,43 +411,3 @@ def _safetensors_header(
     raw = os.pread(fd, length, 8)
     tensors = [(int(m[1]), int(m[2])) for m in _DATA_OFFSETS.finditer(raw)]
     return (raw, tensors) if tensors else None
-
-
-# What layout_change() names, for a field of the record that differs.
-_VALUE_CHANGES = {
-    "version": "fingerprint version changed",
-    "weights": "weights changed",
-    "load_format": "weights' source changed",
-    "model_weights": "weights' source changed",
-    "hf_config": "model config changed",
-    "max_model_len": "max_model_len changed",
-}
-
-
-def layout_change(ours: dict, theirs: dict | None) -> str:
-    """What differs between this layout's recorded fields (FileMapper's,
-    config.json) and another layout's of the same model, for a start-up
-    line: "weights changed", "model config changed", "dtype or quantization
-    changed" (compute or cache dtypes), "other settings: <field>, ..." (block
-    layout, tier settings, parallelism)."""
-    if theirs is None:
-        return "no readable config.json"
-    if "kv_values" not in theirs:
-        return "written before the model's values were recorded"
-    ours_values, their_values = ours.get("kv_values") or {}, theirs["kv_values"]
-    if not isinstance(their_values, dict):
-        return "unreadable kv_values"
-    changes = []
-    for field in sorted(set(ours_values) | set(their_values)):
-        if ours_values.get(field) != their_values.get(field):
-            change = _VALUE_CHANGES.get(field, "dtype or quantization changed")
-            if change not in changes:
-                changes.append(change)
-    settings = sorted(
-        k
-        for k in set(ours) | set(theirs)
-        if k != "kv_values" and ours.get(k) != theirs.get(k)
-    )
-    if settings:
-        changes.append("other settings: " + ", ".join(settings))
-    return "; ".join(changes) or "the same fields"
