@@ -541,22 +541,23 @@ def unwrap(para: str) -> str:
     return re.sub(r"\s*\n\s*", " ", para.strip())
 
 
+def before_result(before: dict, nid: str) -> tuple[str, str] | None:
+    """A test's result in the before run; a test the run could not collect (its module
+    failed to import) takes its module's error."""
+    return before["cases"].get(nid) or before["cases"].get(nid.split("::")[0])
+
+
 def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
-    """One row per test function: (test, before, after), parametrized cases counted. A test
-    the before run could not collect (its module failed to import) takes that error."""
+    """One row per test function: (test, before, after), parametrized cases counted."""
     groups: dict[str, dict] = {}
-    module_errors = {k: v for k, v in before["cases"].items() if "::" not in k}
     names = [*after["cases"], *[n for n in before["cases"]
-                                if n not in after["cases"] and n not in module_errors]]
+                                if n not in after["cases"] and "::" in n]]
     for nid in names:
         key = nid.split("[")[0]
         g = groups.setdefault(key, {"n": 0, "before": {}, "after": {}, "why": ""})
         g["n"] += 1
         for side, res in (("before", before), ("after", after)):
-            if side == "before":
-                got = res["cases"].get(nid) or module_errors.get(nid.split("::")[0])
-            else:
-                got = res["cases"].get(nid)
+            got = before_result(res, nid) if side == "before" else res["cases"].get(nid)
             st, why = got or ("not run", "")
             g[side][st] = g[side].get(st, 0) + 1
             if side == "before" and st in ("failed", "error") and not g["why"]:
@@ -764,7 +765,8 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         result += [f"Tests: `{tests}` (not run for this description: `make pr --no-tests`).", ""]
     else:
         n_cases = len(after["cases"])
-        n_fail = sum(v[0] in ("failed", "error") for v in before["cases"].values())
+        n_fail = sum((before_result(before, nid) or ("not run",))[0] in ("failed", "error")
+                     for nid in after["cases"])
         others = "; the others pass on both" if n_fail < n_cases else ""
         verb = "fails on `{}` and passes" if n_fail == 1 else "fail on `{}` and pass"
         cases = f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`"

@@ -337,6 +337,30 @@ def test_pr_md_of_tests_that_pass_before_says_they_guard():
     assert "fail" not in md.lower()
 
 
+def test_pr_md_counts_tests_a_module_error_failed_before():
+    """A test module that cannot be imported on the tag fails every test in it: the PR.md's
+    count is of those tests, not of the modules (it said 2 of 11 failed)."""
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
+    unit = kit.Unit("u", "[Core] Fix it", [], tests=["tests/test_a.py", "tests/test_b.py"],
+                    threads=[], overview="It was broken.", claims=["Fixed."])
+    cases = [f"tests/test_a.py::test_{i}" for i in range(3)] + ["tests/test_b.py::test_b"]
+    before = {"cases": {"tests/test_a.py": ("error", "collection failure"),
+                        "tests/test_b.py::test_b": ("passed", "")},
+              "seconds": 1, "rc": 1, "command": "pytest"}
+    after = {"cases": {c: ("passed", "") for c in cases}, "seconds": 1, "rc": 0,
+             "command": "pytest"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
+                        [("[Core] Fix it", "Why.")], None, before, after, ME, tpl)
+        md = path.read_text()
+    assert "4 test cases in" in md
+    assert ": 3 fail on `v0.34.0` and pass with this change; the others pass on both." in md
+
+
 def test_every_unit_of_the_upstream_track_fits_400_words():
     """Each unit of patches/0.34.0/pr-units.toml, with its real commit messages and a
     before/after table of 40 tests, shows at most 400 words before any <details>."""
