@@ -289,8 +289,31 @@ def test_config_digest_covers_rope_not_bookkeeping():
             },
             "other settings: tp_size",
         ),
+        (
+            {
+                "model_name": "m",
+                "kv_values": {"weights": 1, "hf_config": 1, "loader_extra_config": 2},
+            },
+            "weights' source changed",
+        ),
+        (
+            {"model_name": "m", "kv_values": {"weights": 1, "hf_config": 1, "new": 1}},
+            "other values: new",
+        ),
     ],
 )
 def test_layout_change_says_what_differs(theirs, expected):
     ours = {"model_name": "m", "kv_values": {"weights": 1, "hf_config": 1}}
     assert layout_change(ours, theirs) == expected
+
+
+def test_every_field_of_the_record_has_a_layout_change():
+    """A field added to KVValuesSource gets its reason in the other-layouts line
+    (kv_values._VALUE_CHANGES), not a generic one."""
+    fields = {f.name for f in dataclasses.fields(KVValuesSource)} - {
+        "model",
+        "revision",
+        "download_dir",
+    }
+    unnamed = fields - set(kv_values._VALUE_CHANGES)
+    assert not unnamed, unnamed

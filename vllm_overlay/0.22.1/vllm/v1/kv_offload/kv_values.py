@@ -147,14 +147,30 @@ def _name(value: Any) -> str | None:
     return None if value is None else str(value).removeprefix("torch.")
 
 
-# What layout_change() names, for a field of the record that differs.
+# What layout_change() names, for a field of the record that differs (a field not
+# named here: "other values: <field>").
 _VALUE_CHANGES = {
     "version": "fingerprint version changed",
     "weights": "weights changed",
     "load_format": "weights' source changed",
     "model_weights": "weights' source changed",
+    "loader_extra_config": "weights' source changed",
     "hf_config": "model config changed",
     "max_model_len": "max_model_len changed",
+    **dict.fromkeys(
+        (
+            "dtype",
+            "quantization",
+            "quantization_config",
+            "override_attention_dtype",
+            "kv_cache_dtype",
+            "kv_cache_dtype_skip_layers",
+            "calculate_kv_scales",
+            "mamba_cache_dtype",
+            "mamba_ssm_cache_dtype",
+        ),
+        "dtype or quantization changed",
+    ),
 }
 
 
@@ -162,7 +178,8 @@ def layout_change(ours: dict, theirs: dict | None) -> str:
     """What differs between this layout's recorded fields (FileMapper's,
     config.json) and another layout's of the same model, for a start-up
     line: "weights changed", "model config changed", "dtype or quantization
-    changed" (compute or cache dtypes), "other settings: <field>, ..." (block
+    changed" (compute or cache dtypes), "other values: <field>" (a record field
+    _VALUE_CHANGES does not name), "other settings: <field>, ..." (block
     layout, tier settings, parallelism)."""
     if theirs is None:
         return "no readable config.json"
@@ -174,7 +191,7 @@ def layout_change(ours: dict, theirs: dict | None) -> str:
     changes = []
     for field in sorted(set(ours_values) | set(their_values)):
         if ours_values.get(field) != their_values.get(field):
-            change = _VALUE_CHANGES.get(field, "dtype or quantization changed")
+            change = _VALUE_CHANGES.get(field, f"other values: {field}")
             if change not in changes:
                 changes.append(change)
     settings = sorted(
