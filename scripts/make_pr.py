@@ -547,6 +547,12 @@ def before_result(before: dict, nid: str) -> tuple[str, str] | None:
     return before["cases"].get(nid) or before["cases"].get(nid.split("::")[0])
 
 
+def failing_before(before: dict, after: dict) -> int:
+    """How many of the after run's tests failed, or could not be collected, before."""
+    return sum((before_result(before, nid) or ("not run",))[0] in ("failed", "error")
+               for nid in after["cases"])
+
+
 def result_rows(before: dict, after: dict) -> list[tuple[str, str, str]]:
     """One row per test function: (test, before, after), parametrized cases counted."""
     groups: dict[str, dict] = {}
@@ -765,8 +771,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         result += [f"Tests: `{tests}` (not run for this description: `make pr --no-tests`).", ""]
     else:
         n_cases = len(after["cases"])
-        n_fail = sum((before_result(before, nid) or ("not run",))[0] in ("failed", "error")
-                     for nid in after["cases"])
+        n_fail = failing_before(before, after)
         others = "; the others pass on both" if n_fail < n_cases else ""
         verb = "fails on `{}` and passes" if n_fail == 1 else "fail on `{}` and pass"
         cases = f"{n_cases} test case{'s' if n_cases > 1 else ''} in `{tests}`"
@@ -997,7 +1002,7 @@ def main() -> None:
             verdict = ""
             if after is not None:
                 bad_after = [k for k, v in after["cases"].items() if v[0] in ("failed", "error")]
-                n_before = sum(v[0] in ("failed", "error") for v in before["cases"].values())
+                n_before = failing_before(before, after)
                 if bad_after or not after["cases"] or after["rc"] not in (0,):
                     raise UserError(
                         f"unit {unit.name!r}: its tests do not pass on {branch} ({len(bad_after)} "
