@@ -668,3 +668,43 @@ def test_every_unit_of_the_upstream_track_is_review_sized():
     units = kit.load_units("0.34.0")
     over = {u.name: why for u in units if (why := kit.review_limits(u, units)[1])}
     assert not over, over
+
+
+def test_patch_deps_names_the_earlier_patch_whose_lines_a_hunk_changes_or_sits_beside(
+        tmp_path):
+    """scripts/patch_deps.py: a hunk depends on the earlier commit that last changed a line it
+    changes or one beside it (a three-way merge conflicts there too), not on the tag's lines
+    nor on a commit whose lines it leaves a line away; a new file depends on nothing."""
+    import patch_deps
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def commit(lines: dict[int, str], new_file: bool = False) -> str:
+        path = repo / "a.py"
+        text = path.read_text().splitlines() if path.exists() else [f"{i}" for i in range(1, 13)]
+        for n, line in lines.items():
+            text[n - 1] = line
+        path.write_text("\n".join(text) + "\n")
+        if new_file:
+            (repo / "b.py").write_text("new\n")
+        kit.git("add", "-A", cwd=repo)
+        kit.git("commit", "-q", "-m", f"change {sorted(lines)}", cwd=repo)
+        return kit.git("rev-parse", "HEAD", cwd=repo)
+
+    kit.git("init", "-q", cwd=repo)
+    commit({})
+    kit.git("tag", "v1", cwd=repo)
+    commits = [
+        commit({3: "three"}),  # 0
+        commit({8: "eight"}),  # 1
+        commit({4: "four"}, new_file=True),  # 2: beside 0's line 3
+        commit({10: "ten"}),  # 3: a line away from 1's line 8
+        commit({1: "one", 9: "nine"}),  # 4: beside 1's line 8 and 3's line 10; line 1 is v1's
+    ]
+    deps = patch_deps.dependencies(repo, "v1", commits)
+    assert [sorted(d) for d in deps] == [
+        [], [], [(0, "a.py")], [], [(1, "a.py"), (3, "a.py")],
+    ]
+    assert patch_deps.touched_lines("diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -5,0 +6 @@\n") == {
+        "x": [(5, 6)]}

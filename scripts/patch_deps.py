@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Say which earlier patches each patch of the series builds on, line by line.
+
+For every hunk of a patch, `git blame` of the track's checkout names the earlier patches
+that last changed the lines the hunk changes, or the line beside it (a three-way merge
+conflicts on adjacent changes too). A PR unit stands on the tag, or on one base unit, only
+if its own patches build on nothing outside them: for each unit (all, or those named) this
+prints what its own patches build on, grouped by the smallest unit that carries it, with
+the files and hunks: more than one unit there, or a unit that stands on another, is what
+keeps it from standing on one base. Test-file hunks are counted apart: make pr's merge
+driver applies a patch's appended tests without the earlier ones. Blame sees lines, not
+imports or behaviour: make pr's before/after runs check those. A unit over the review limits needs each of
+those lines moved, or the patch split, before it can stand on one base (issue 33).
+
+Usage: patch_deps.py [UNIT ...]   (VLLM_VERSION selects the track)
+"""
+
+import re
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _lib import (
+    UserError,
+    checkout_dir,
+    git,
+    load_pin,
+    rel,
+    run_main,
+    say,
+    series_dir,
+    vllm_version,
+)
+from make_pr import builds_on, load_units, make_command, review_limits, select
+
+HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", re.M)
+
+
+def series_commits(checkout: Path, tag: str, patches: list[Path]) -> list[str]:
+    """The checkout's commits of the series, oldest first, checked against the patches."""
+    commits = git("rev-list", "--reverse", f"{tag}..HEAD", cwd=checkout).split()
+    subjects = git("log", "--reverse", "--format=%s", f"{tag}..HEAD", cwd=checkout).splitlines()
+    if len(commits) != len(patches):
+        raise UserError(f"{rel(checkout)} has {len(commits)} commits on {tag}, the series "
+                        f"{len(patches)}: run `{make_command('checkout', vllm_version())}` "
+                        "to rebuild it from the series")
+    for patch, subject in zip(patches, subjects):
+        head = patch.read_text(errors="replace").partition("\n\n")[0]
+        if re.sub(r"\s+", " ", subject) not in re.sub(r"\s+", " ", head):
+            raise UserError(f"{rel(checkout)}'s commit '{subject}' is not {patch.name}: run "
+                            f"`{make_command('checkout', vllm_version())}` to rebuild it")
+    return commits
+
+
+def touched_lines(diff: str) -> dict[str, list[tuple[int, int]]]:
+    """Per pre-image file, the line ranges (1-based, inclusive) each hunk changes or sits
+    beside. New files have none."""
+    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for part in re.split(r"^diff --git ", diff, flags=re.M)[1:]:
+        m = re.search(r"^--- (?:a/(.*)|/dev/null)$", part, re.M)
+        if m is None or m.group(1) is None:
+            continue
+        for h in HUNK.finditer(part):
+            start, count = int(h.group(1)), int(h.group(2) or 1)
+            # an insertion after line `start` (count 0) touches it and the next one
+            first, last = (start, start + 1) if count == 0 else (start - 1, start + count)
+            ranges[m.group(1)].append((max(first, 1), last))
+    return ranges
+
+
+def blame(checkout: Path, tag: str, rev: str, path: str) -> list[str]:
+    """The commit that last changed each line of `path` at `rev`, '' for the tag's lines."""
+    if git("rev-parse", f"{rev}^{{commit}}", cwd=checkout) == git(
+            "rev-parse", f"{tag}^{{commit}}", cwd=checkout):
+        return []  # blame of an empty range would blame HEAD
+    out = git("blame", "-l", "-s", f"{tag}..{rev}", "--", path, cwd=checkout)
+    return ["" if ln.startswith("^") else ln.split(" ", 1)[0] for ln in out.splitlines()]
+
+
+def dependencies(checkout: Path, tag: str, commits: list[str]) -> list[Counter]:
+    """For each commit, Counter((earlier commit index, file)) of the hunks that build on it."""
+    index = {c: i for i, c in enumerate(commits)}
+    deps = []
+    for c in commits:
+        found: Counter = Counter()
+        diff = git("diff", "-U0", "--no-renames", f"{c}^", c, cwd=checkout)
+        for path, ranges in touched_lines(diff).items():
+            owners = blame(checkout, tag, f"{c}^", path)
+            for first, last in ranges:
+                hit = {index[o] for o in owners[first - 1:last] if o in index}
+                found.update((i, path) for i in hit)
+        deps.append(found)
+    return deps
+
+
+def is_test(where: str) -> bool:
+    """Whether a dependency ("<patch> <path>") is in a test file: make pr's merge driver
+    (merge_test_appends.py) applies a test file's appends without the earlier tests."""
+    return "/test_" in where.split(" ", 1)[1]
+
+
+def main() -> None:
+    version = vllm_version()
+    tag = load_pin(version)["tag"]
+    checkout = checkout_dir(version)
+    if not (checkout / ".git").exists():
+        raise UserError(f"no checkout at {rel(checkout)}: run "
+                        f"`{make_command('checkout', version)}` first")
+    all_units = load_units(version)
+    units = select(all_units, sys.argv[1:])
+    patches = sorted(series_dir(version).glob("[0-9]*.patch"))
+    commits = series_commits(checkout, tag, patches)
+    deps = dependencies(checkout, tag, commits)
+    number = {i: p.name[:4] for i, p in enumerate(patches)}
+    position = {p: i for i, p in enumerate(patches)}
+    # the smallest unit carrying each patch names where a dependency lives
+    home = {}
+    for u in sorted(all_units, key=lambda u: len(u.patches), reverse=True):
+        for p in u.patches:
+            home[p] = u.name
+    say(f"vLLM {version}: {len(patches)} patches, {len(units)} unit(s); a dependency is a "
+        "hunk of a unit's own patch beside lines an earlier patch outside its base changed")
+    for u in units:
+        lines, why = review_limits(u, all_units)
+        bases = builds_on(u, all_units)[0]
+        base_patches = {p for b in all_units if b.name in bases for p in b.patches}
+        own = [p for p in u.patches if p not in base_patches]
+        needs: dict[str, Counter] = defaultdict(Counter)
+        for p in own:
+            for (j, path), n in deps[position[p]].items():
+                if patches[j] not in own:
+                    needs[home.get(patches[j], "no unit")][f"{number[j]} {path}"] += n
+        print(f"\n{u.name}: {lines} own lines in {', '.join(p.name[:4] for p in own)}"
+              f"{' on ' + ', '.join(bases) if bases else ''}; "
+              f"{'OVER the limits' if why else 'fits'}")
+        if not needs:
+            print("  builds on the tag alone")
+        for name, counts in sorted(needs.items(), key=lambda kv: -sum(kv[1].values())):
+            code = {k: n for k, n in counts.items() if not is_test(k)}
+            tests = sum(n for k, n in counts.items() if is_test(k))
+            detail = ", ".join(f"{k} ({n})" for k, n in sorted(code.items()))
+            print(f"  on {name}: {sum(code.values())} code hunk(s)"
+                  f"{': ' + detail if detail else ''}; {tests} test hunk(s)")
+
+if __name__ == "__main__":
+    run_main(main)
