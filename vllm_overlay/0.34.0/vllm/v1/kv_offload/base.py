@@ -151,8 +151,10 @@ class ReqContext:
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._offload_key_positions.get(key)
 
-    def offload_key_positions(self) -> Mapping[OffloadKey, int]:
-        """Every key of this request the scheduler recorded a position of."""
+    def offload_key_positions(self) -> dict[OffloadKey, int]:
+        """Every key of this request the scheduler recorded a position of, in
+        the order recorded (the scheduler's own dict: read it, never change
+        it)."""
         return self._offload_key_positions
 
 

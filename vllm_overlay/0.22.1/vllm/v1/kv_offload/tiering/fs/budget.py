@@ -91,7 +91,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
 
 from vllm.logger import init_logger
@@ -343,7 +343,7 @@ class FsTierBudget:
     # ---- scheduler thread: O(1) per key, no filesystem call ---------------
 
     def on_hit(
-        self, key: OffloadKey, req_id: str, positions: Mapping[OffloadKey, int]
+        self, key: OffloadKey, req_id: str, positions: dict[OffloadKey, int]
     ) -> bool:
         """lookup() found the key's file. Returns whether it stays: pinned
         here at once, until the end of the step (by then its promotion is
@@ -369,7 +369,7 @@ class FsTierBudget:
         self,
         keys: Collection[OffloadKey],
         req_id: str,
-        positions: Mapping[OffloadKey, int],
+        positions: dict[OffloadKey, int],
     ) -> Admission:
         """A store job's admission, decided by its task (see admitted()).
         positions: every key of the request the scheduler recorded an
@@ -379,7 +379,7 @@ class FsTierBudget:
         self._events.append((_ADMIT, job))
         return job
 
-    def _recall(self, req_id: str, positions: Mapping[OffloadKey, int]) -> None:
+    def _recall(self, req_id: str, positions: dict[OffloadKey, int]) -> None:
         """Post the request's positions recorded since the last call (a
         prefix another tier served is in no event of this tier). The
         scheduler only adds to them, in order: O(new keys)."""
@@ -561,9 +561,9 @@ class FsTierBudget:
             elif kind == _FINISH:
                 self._finish(event[1], event[2])
             elif kind == _FORGET:
-                req = self._requests.pop(event[1], None)
-                if req is not None:
-                    self._tracked -= len(req.keys)
+                gone = self._requests.pop(event[1], None)
+                if gone is not None:
+                    self._tracked -= len(gone.keys)
             else:
                 job = event[1]
                 for h in {self._cid(k[:-4]) for k in job.keys}:

@@ -372,13 +372,13 @@ class FileSystemTierManager(SecondaryTierManager):
             block file carries an HMAC-SHA256 of the block's identity and
             bytes, checked on load (a mismatch is a miss). Engines sharing a
             root share the key file; another key is another namespace.
-        max_bytes: the most bytes this tier's files may take on disk (at
-            least one chunk of every KV cache group); None: no limit.
-            Engines sharing root_dir share it: set the same on each.
         checksum_blocks: keep each block's CRC32C in an extended attribute
             of its file and check it on load: a block whose bytes changed,
             or that has none, is a miss (its file removed, counted). With
             key_file, the MAC checks the bytes already: no CRC32C.
+        max_bytes: the most bytes this tier's files may take on disk (at
+            least one chunk of every KV cache group); None: no limit.
+            Engines sharing root_dir share it: set the same on each.
 
     """
 
