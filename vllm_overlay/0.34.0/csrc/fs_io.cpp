@@ -395,12 +395,12 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   }
   if (!S_ISREG(st.st_mode)) {
     close(fd);
-    return EIO;
+    return EBADMSG;  // not a block: is_block_error
   }
   if (static_cast<size_t>(st.st_size) != size) {
     unlink_if_same_file(source_path, st);
     close(fd);
-    return EIO;
+    return EBADMSG;
   }
 
   const ssize_t bytes_read = read(fd, dst, size);
@@ -414,7 +414,7 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     // Provable short read: the block is genuinely corrupt, so remove it.
     unlink_if_same_file(source_path, st);
     close(fd);
-    return EIO;
+    return EBADMSG;
   }
 
   if (xattr_name != nullptr) {
@@ -455,6 +455,14 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   // already in the destination buffer, so the load succeeds.
   close(fd);
   return 0;
+}
+
+// Whether `err` is a block's own failure (missing, a link or directory in its
+// place, not a whole block): a batch goes on past it and stops at any other
+// error, which the next blocks would meet too (a failing disk).
+inline bool is_block_error(int err) {
+  return err == ENOENT || err == ELOOP || err == EISDIR || err == ENOTDIR ||
+         err == ENOTEMPTY || err == EEXIST || err == EBADMSG;
 }
 
 inline void _batch_lookup(const std::vector<const char*>& paths,
@@ -575,8 +583,9 @@ static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
 /// @param xattr_values list[bytes-like] – its value per block.
 /// @param checksum     bool – set each block's CRC32C as kCrcXattr on its
 ///                     temp file before the rename (default False: none).
-/// @note Releases the GIL for the entire batch. A failed block does not stop
-///       the batch; if any failed, raises the first error.
+/// @note Releases the GIL for the entire batch. A block's own failure
+///       (is_block_error) does not stop the batch, any other error does; if
+///       any failed, raises the first error.
 static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   PyObject* tmp_paths_obj = nullptr;
   PyObject* dest_paths_obj = nullptr;
@@ -629,7 +638,7 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
 
-  // A failed block does not stop the batch: the others are still stored.
+  // A block's own failure does not stop the batch: the others are stored.
   Py_ssize_t failed_index = -1;
   int failure_errno = 0;
 
@@ -647,6 +656,9 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
       if (err != 0 && failed_index < 0) {
         failed_index = i;
         failure_errno = err;
+      }
+      if (err != 0 && !is_block_error(err)) {
+        break;  // the blocks after it would meet it too
       }
     }
     Py_END_ALLOW_THREADS
@@ -682,12 +694,13 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
 /// @return None, or with an `xattr_name`, list[tuple[bytes, int, int] |
 ///         None]: per block, the attribute's value (b"" if none) and the
 ///         file's st_dev and st_ino; None for a failed block.
-/// @note Releases the GIL for the entire batch. A failed block does not stop
-///       the batch; if any failed, raises the first error with
-///       `failed_indices`, the indices of all failed blocks, with an
-///       `xattr_name`, `xattr_reads`, the list returned otherwise, and with
-///       `checksum`, `integrity_failed`, the indices of the blocks that
-///       failed their CRC32C.
+/// @note Releases the GIL for the entire batch. A block's own failure
+///       (is_block_error) does not stop the batch; any other error does, and
+///       the blocks after it count as failed. If any failed, raises the first
+///       error with `failed_indices`, the indices of all failed blocks, with
+///       an `xattr_name`, `xattr_reads`, the list returned otherwise, and with
+///       `checksum`, `integrity_failed`, the indices of the blocks that failed
+///       their CRC32C.
 static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
   PyObject* source_paths_obj = nullptr;
   PyObject* buffers_obj = nullptr;
@@ -716,9 +729,12 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
 
-  // A failed block does not stop the batch: the others are still loaded.
+  // A block's own failure does not stop the batch: the others are still
+  // loaded. Reserved here: no allocation (bad_alloc) without the GIL.
   std::vector<Py_ssize_t> failed_indices;
+  failed_indices.reserve(n);
   std::vector<Py_ssize_t> checksum_failed_indices;
+  checksum_failed_indices.reserve(checksum ? n : 0);
   std::vector<char> failed(n, 0);
   std::vector<FileXattr> xattrs(xattr_name != nullptr ? n : 0);
   int failure_errno = 0;
@@ -741,6 +757,13 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
         }
         failed_indices.push_back(i);
         failed[i] = 1;
+        if (!is_block_error(err)) {
+          for (Py_ssize_t j = i + 1; j < n; j++) {
+            failed_indices.push_back(j);  // not tried
+            failed[j] = 1;
+          }
+          break;
+        }
       }
     }
     Py_END_ALLOW_THREADS
@@ -834,8 +857,8 @@ static PyMethodDef fs_io_C_methods[] = {
      "\n"
      "Store a batch of blocks, each from its own buffer, to disk; with "
      "checksum, each with its CRC32C in the user.vllm.kv_crc32c xattr. A "
-     "failed block does not stop the batch; if any failed, raises the first "
-     "error."},
+     "block's own failure does not stop the batch, any other error does; if "
+     "any failed, raises the first error."},
     {"batch_load_block", batch_load_block, METH_VARARGS,
      "batch_load_block(source_paths: list[str],\n"
      "                 buffers: list[writable bytes-like],\n"
@@ -847,9 +870,10 @@ static PyMethodDef fs_io_C_methods[] = {
      "Load a batch of blocks from disk into corresponding buffers; with an "
      "xattr_name, return its value per block, read through the same fd, "
      "with the file's st_dev and st_ino; with checksum, check each block "
-     "against its CRC32C (user.vllm.kv_crc32c). A failed block does not stop "
-     "the batch; if any failed, raises the first error with failed_indices "
-     "(and xattr_reads, integrity_failed) set."},
+     "against its CRC32C (user.vllm.kv_crc32c). A block's own failure "
+     "(missing, not a whole block) does not stop the batch, any other error "
+     "does; if any failed, raises the first error with failed_indices (and "
+     "xattr_reads, integrity_failed) set."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -10,6 +10,7 @@ data integrity throughout the process.
 
 import errno
 import json
+import mmap
 import os
 import threading
 import time
@@ -1333,3 +1334,88 @@ def test_start_up_removes_only_stale_temp_files(tmp_path):
         with pytest.raises(ValueError, match="cleanup_stale_tmp_after_seconds"):
             _make_tier(str(tmp_path), rows, cleanup_stale_tmp_after_seconds=bad)
     assert set(threading.enumerate()) <= threads, "raised after starting threads"
+
+
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_load_batch_stops_at_an_error_not_of_its_block(
+    tmp_path, monkeypatch, use_c_ext
+):
+    """A block's own failure (here its file is missing) does not stop a batch
+    load, any other error does: here ENAMETOOLONG, which the tier's other
+    paths would meet alike, as they would a failing disk (on a soft NFS mount,
+    one timeout per file). The blocks after it are not read and count as
+    failed."""
+    import errno
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+
+    size = mmap.PAGESIZE
+    first, last = str(tmp_path / "first.bin"), str(tmp_path / "last.bin")
+    for path in (first, last):
+        with open(path, "wb") as f:
+            f.write(b"\x07" * size)
+    region = mmap.mmap(-1, 3 * size)
+    cases = [
+        (str(tmp_path / "missing.bin"), errno.ENOENT, [1], b"\x07" * size),
+        (str(tmp_path / ("x" * 300)), errno.ENAMETOOLONG, [1, 2], bytes(size)),
+    ]
+    for middle, code, failed, last_slot in cases:
+        region[:] = bytes(3 * size)
+        with pytest.raises(OSError) as failure:
+            io_mod.batch_load_block(
+                [first, middle, last],
+                memoryview(region),
+                [0, size, 2 * size],
+                size,
+                False,
+            )
+        assert failure.value.errno == code
+        assert failure.value.failed_indices == failed
+        assert region[:size] == b"\x07" * size
+        assert region[2 * size :] == last_slot
+
+
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_store_batch_stops_at_an_error_not_of_its_block(
+    tmp_path, monkeypatch, use_c_ext
+):
+    """A block's own failure (here a directory with a file in it stands at its
+    path) does not stop a batch store, any other error does (here
+    ENAMETOOLONG, which the tier's other paths would meet alike): the blocks
+    after it are not written."""
+    import errno
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+
+    size = mmap.PAGESIZE
+    region = mmap.mmap(-1, 3 * size)
+    first, last = str(tmp_path / "first.bin"), str(tmp_path / "last.bin")
+    in_the_way = tmp_path / "dir.bin"
+    in_the_way.mkdir()
+    (in_the_way / "file").write_bytes(b"x")
+    cases = [
+        (str(in_the_way), (errno.ENOTEMPTY, errno.EEXIST), True),
+        (str(tmp_path / ("x" * 300)), (errno.ENAMETOOLONG,), False),
+    ]
+    for middle, codes, last_stored in cases:
+        with pytest.raises(OSError) as failure:
+            io_mod.batch_store_block(
+                [first, middle, last],
+                memoryview(region),
+                [0, size, 2 * size],
+                size,
+                False,
+            )
+        assert failure.value.errno in codes
+        assert os.path.isfile(first)
+        assert os.path.isfile(last) is last_stored
+        if last_stored:
+            os.remove(last)

@@ -851,11 +851,11 @@ def test_failed_writes_and_reads_stay_contained(
     """Injected write and read errors: a key whose data did not arrive is
     never served, ref counts return to zero, no .tmp file is left, and the
     keys that succeeded in the same job are served without a second
-    promotion."""
+    promotion. (EIO stops a batch: the failing blocks are the jobs' last.)"""
     root_dir = str(tmp_path / "fs")
     vllm_config, kv_cache_config = make_configs(model_config, layout, root_dir, 16)
     keys = request_keys(0, num_blocks=3, num_groups=len(GPU_BLOCK_SIZES[layout]))
-    bad_write, bad_read = keys[1], keys[-1]
+    bad_write, bad_read = keys[-1], keys[1]
     good = [k for k in keys if k not in (bad_write, bad_read)]
     ctx = ReqContext(req_id="req0")
 

@@ -40,6 +40,15 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
+# A block's own failures (missing, a link or directory in its place, not a
+# whole block): a batch goes on past them and stops at any other error, which
+# the next blocks would meet too (a failing disk: one timeout per file).
+BLOCK_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EBADMSG}
+    | {errno.ENOTEMPTY, errno.EEXIST}
+)
+
+
 def has_compiled_io() -> bool:
     """Whether blocks are read and written by the fs_io_C extension."""
     return _HAS_FSIO_C
@@ -418,18 +427,22 @@ def _load_block(
         fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | o_direct)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EIO, "Not a regular file", source_path)
+            raise OSError(errno.EBADMSG, "Not a regular file", source_path)
         if st.st_size != block_size:
             _remove_if_same_file(source_path, st)
             raise OSError(
-                errno.EIO,
+                errno.EBADMSG,
                 f"Block file has {st.st_size} bytes, expected {block_size}",
                 source_path,
             )
         bytes_read = os.readv(fd, [view_slice])
         if bytes_read < block_size:
             _remove_if_same_file(source_path, st)
-            raise OSError(f"Short read: expected {block_size} bytes, read {bytes_read}")
+            raise OSError(
+                errno.EBADMSG,
+                f"Short read: expected {block_size} bytes, read {bytes_read}",
+                source_path,
+            )
         if checksum:
             _check_crc(source_path, fd, view_slice, st)
         if read_mac:
@@ -456,9 +469,9 @@ def batch_store_block(
     Each block buffer[offsets[i] : offsets[i]+block_size] is written atomically
     to dest_paths[i] via a temp-file rename, created with *modes*; with a
     *mac*, the MAC of keys[i] and the block is set on the temp file before
-    the rename, with *checksum* the block's CRC32C. A failed block does not
-    stop the batch; if any failed, the first error is raised once the batch is
-    done.
+    the rename, with *checksum* the block's CRC32C. A block's own failure
+    (BLOCK_ERRNOS) does not stop the batch, any other error does; if any
+    failed, the first error is raised once the batch is done.
     """
     _validate_offsets(view, offsets, block_size)
     view_B = view.cast("B")
@@ -503,6 +516,8 @@ def batch_store_block(
             except OSError as exc:
                 if first_exc is None:
                     first_exc = exc
+                if exc.errno not in BLOCK_ERRNOS:
+                    break  # the blocks after it would meet it too
         if first_exc is not None:
             raise first_exc
 
@@ -520,17 +535,18 @@ def batch_load_block(
     """Load a batch of KV blocks from disk into a shared buffer in one call.
 
     Block i is read from source_paths[i] into view[offsets[i] : offsets[i]+block_size].
-    A failed block does not stop the batch (see _load_block for the
-    delete-on-short-read policy): the other blocks are still loaded. With a
-    *mac*, each block read is then checked against the MAC attribute read
-    from the same open file, for keys[i] (BlockMac.check): a mismatch fails
-    the block; with *checksum*, each block read is checked against its
-    file's CRC32C (a mismatch, or none recorded, fails the block and removes
-    the file). If any block
-    failed, the first error is raised once the batch is done, carrying
-    ``failed_indices``, the indices of all failed blocks in ascending order, so
-    the tier can keep every block that loaded, and ``integrity_failed``, the
-    indices of those that failed their MAC or CRC32C.
+    A block's own failure (BLOCK_ERRNOS; see _load_block for the
+    delete-on-short-read policy) does not stop the batch: the other blocks are
+    still loaded. Any other error stops it, and the blocks after it count as
+    failed. With a *mac*, each block read is then checked against the MAC
+    attribute read from the same open file, for keys[i] (BlockMac.check): a
+    mismatch fails the block; with *checksum*, each block read is checked
+    against its file's CRC32C (a mismatch, or none recorded, fails the block
+    and removes the file). If any block failed, the first error is raised once
+    the batch is done, carrying ``failed_indices``, the indices of all failed
+    blocks in ascending order, so the tier can keep every block that loaded,
+    and ``integrity_failed``, the indices of those that failed their MAC or
+    CRC32C.
     """
     if mac is None:
         _batch_load_block(
@@ -639,6 +655,11 @@ def _batch_load_block(
                     integrity_failed_py.append(i)
                 if first_exc is None:
                     first_exc = exc
+                if exc.errno not in BLOCK_ERRNOS:
+                    not_tried = range(i + 1, len(paths))
+                    failed_indices.extend(not_tried)
+                    reads.extend(None for _ in not_tried)
+                    break
         if first_exc is not None:
             # The C path sets the same attributes via PyObject_SetAttrString.
             first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
