@@ -368,10 +368,10 @@ def _store_block(
             # replacing. A file name stands for one block, so a complete file
             # already in place (holding this *mac*, if keyed, and this *crc*)
             # holds this block and the store is done.
+            if not is_stored():
+                raise  # the temp file is removed below
             with contextlib.suppress(OSError):
                 os.remove(tmp_path)
-            if not is_stored():
-                raise
     except Exception:
         try:
             os.remove(tmp_path)
