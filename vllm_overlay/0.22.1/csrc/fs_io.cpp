@@ -457,9 +457,8 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   return 0;
 }
 
-// Whether `err` is a block's own failure (missing, a link or directory in its
-// place, not a whole block): a batch goes on past it and stops at any other
-// error, which the next blocks would meet too (a failing disk).
+// Whether `err` is a block's own failure (missing, not a whole block): a batch
+// goes on past it, and stops at any other, which the next blocks would meet.
 inline bool is_block_error(int err) {
   return err == ENOENT || err == ELOOP || err == EISDIR || err == ENOTDIR ||
          err == ENOTEMPTY || err == EEXIST || err == EBADMSG;

@@ -958,10 +958,9 @@ def test_batched_load_failure_keeps_every_other_key(fs_tier, monkeypatch, use_c_
 
 @pytest.mark.parametrize("use_c_ext", [True, False])
 def test_a_batch_stops_at_an_error_not_of_its_block(tmp_path, monkeypatch, use_c_ext):
-    """A block's own failure (its file is missing, a directory is in the way
-    of a store) does not stop a batch, any other error does (ENAMETOOLONG:
-    every path of the tier meets it alike, as a failing disk, one timeout per
-    file on a soft NFS mount): the blocks after it are not tried."""
+    """A block's own failure (a missing file, a directory in a store's way) does
+    not stop a batch, any other error does (ENAMETOOLONG: every path of the
+    tier meets it alike, as a failing disk): the blocks after it are not tried."""
     import vllm.v1.kv_offload.tiering.fs.io as io_mod
 
     if use_c_ext and not io_mod._HAS_FSIO_C:

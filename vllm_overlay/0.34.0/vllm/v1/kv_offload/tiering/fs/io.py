@@ -40,9 +40,8 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-# A block's own failures (missing, a link or directory in its place, not a
-# whole block): a batch goes on past them and stops at any other error, which
-# the next blocks would meet too (a failing disk: one timeout per file).
+# A block's own failures (missing, not a whole block): a batch goes on past
+# them, and stops at any other, which the next blocks would meet too.
 BLOCK_ERRNOS = frozenset(
     {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EBADMSG}
     | {errno.ENOTEMPTY, errno.EEXIST}
