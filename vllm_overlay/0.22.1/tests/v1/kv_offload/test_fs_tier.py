@@ -1337,85 +1337,32 @@ def test_start_up_removes_only_stale_temp_files(tmp_path):
 
 
 @pytest.mark.parametrize("use_c_ext", [True, False])
-def test_a_load_batch_stops_at_an_error_not_of_its_block(
-    tmp_path, monkeypatch, use_c_ext
-):
-    """A block's own failure (here its file is missing) does not stop a batch
-    load, any other error does: here ENAMETOOLONG, which the tier's other
-    paths would meet alike, as they would a failing disk (on a soft NFS mount,
-    one timeout per file). The blocks after it are not read and count as
-    failed."""
-    import errno
-
+def test_a_batch_stops_at_an_error_not_of_its_block(tmp_path, monkeypatch, use_c_ext):
+    """A block's own failure (a missing file, a directory in a store's way) does
+    not stop a batch, any other error does (ENAMETOOLONG: every path of the
+    tier meets it alike, as a failing disk): the blocks after it are not tried."""
     import vllm.v1.kv_offload.tiering.fs.io as io_mod
 
     if use_c_ext and not io_mod._HAS_FSIO_C:
         pytest.skip("fs_io_C extension not built")
     monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
-
-    size = mmap.PAGESIZE
-    first, last = str(tmp_path / "first.bin"), str(tmp_path / "last.bin")
-    for path in (first, last):
+    size, ends = mmap.PAGESIZE, [str(tmp_path / "first"), str(tmp_path / "last")]
+    region, offsets = mmap.mmap(-1, 3 * size), [0, size, 2 * size]
+    for path in ends:
         with open(path, "wb") as f:
             f.write(b"\x07" * size)
-    region = mmap.mmap(-1, 3 * size)
-    cases = [
-        (str(tmp_path / "missing.bin"), errno.ENOENT, [1], b"\x07" * size),
-        (str(tmp_path / ("x" * 300)), errno.ENAMETOOLONG, [1, 2], bytes(size)),
-    ]
-    for middle, code, failed, last_slot in cases:
+    for middle, failed in (("missing", [1]), ("x" * 300, [1, 2])):
         region[:] = bytes(3 * size)
-        with pytest.raises(OSError) as failure:
-            io_mod.batch_load_block(
-                [first, middle, last],
-                memoryview(region),
-                [0, size, 2 * size],
-                size,
-                False,
-            )
-        assert failure.value.errno == code
-        assert failure.value.failed_indices == failed
-        assert region[:size] == b"\x07" * size
-        assert region[2 * size :] == last_slot
-
-
-@pytest.mark.parametrize("use_c_ext", [True, False])
-def test_a_store_batch_stops_at_an_error_not_of_its_block(
-    tmp_path, monkeypatch, use_c_ext
-):
-    """A block's own failure (here a directory with a file in it stands at its
-    path) does not stop a batch store, any other error does (here
-    ENAMETOOLONG, which the tier's other paths would meet alike): the blocks
-    after it are not written."""
-    import errno
-
-    import vllm.v1.kv_offload.tiering.fs.io as io_mod
-
-    if use_c_ext and not io_mod._HAS_FSIO_C:
-        pytest.skip("fs_io_C extension not built")
-    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
-
-    size = mmap.PAGESIZE
-    region = mmap.mmap(-1, 3 * size)
-    first, last = str(tmp_path / "first.bin"), str(tmp_path / "last.bin")
-    in_the_way = tmp_path / "dir.bin"
-    in_the_way.mkdir()
-    (in_the_way / "file").write_bytes(b"x")
-    cases = [
-        (str(in_the_way), (errno.ENOTEMPTY, errno.EEXIST), True),
-        (str(tmp_path / ("x" * 300)), (errno.ENAMETOOLONG,), False),
-    ]
-    for middle, codes, last_stored in cases:
-        with pytest.raises(OSError) as failure:
-            io_mod.batch_store_block(
-                [first, middle, last],
-                memoryview(region),
-                [0, size, 2 * size],
-                size,
-                False,
-            )
-        assert failure.value.errno in codes
-        assert os.path.isfile(first)
-        assert os.path.isfile(last) is last_stored
-        if last_stored:
-            os.remove(last)
+        paths = [ends[0], str(tmp_path / middle), ends[1]]
+        with pytest.raises(OSError) as e:
+            io_mod.batch_load_block(paths, memoryview(region), offsets, size, False)
+        assert e.value.failed_indices == failed
+        assert region[2 * size :] == (bytes(size) if 2 in failed else b"\x07" * size)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "file").write_bytes(b"x")  # in the way of a store
+    for middle, stored in (("dir", True), ("x" * 300, False)):
+        os.remove(ends[1])
+        with pytest.raises(OSError):
+            paths = [ends[0], str(tmp_path / middle), ends[1]]
+            io_mod.batch_store_block(paths, memoryview(region), offsets, size, False)
+        assert os.path.exists(ends[1]) is stored
