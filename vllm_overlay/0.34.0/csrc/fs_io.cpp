@@ -382,7 +382,11 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
   // O_NOFOLLOW: a symbolic link at a block's path (planted by whoever could
   // write into the tree) is never read through (ELOOP, left untouched).
-  const int fd = open(source_path, O_RDONLY | O_NOFOLLOW | o_direct_flag, 0);
+  // O_NONBLOCK: nor does a FIFO there block the open until a writer comes
+  // (reads of regular files ignore it on Linux). O_DIRECT is set once the
+  // file is known to be a block: a FIFO or socket refuses it (EINVAL).
+  const int fd =
+      open(source_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0);
   if (fd < 0) {
     return errno;
   }
@@ -401,6 +405,14 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     unlink_if_same_file(source_path, st);
     close(fd);
     return EBADMSG;
+  }
+  if (o_direct_flag != 0) {
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | o_direct_flag) != 0) {
+      const int err = errno;
+      close(fd);
+      return err;
+    }
   }
 
   const ssize_t bytes_read = read(fd, dst, size);
@@ -510,10 +522,11 @@ inline void release_buffer_list(std::vector<Py_buffer>& buffers) {
   }
 }
 
-// Helper: a new list[int] of `indices`, or nullptr (out of memory).
-inline PyObject* index_list(const std::vector<Py_ssize_t>& indices) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(indices.size()));
-  for (size_t j = 0; list != nullptr && j < indices.size(); j++) {
+// Helper: a new list[int] of `count` indices at `indices`, or nullptr (out of
+// memory).
+inline PyObject* index_list(const Py_ssize_t* indices, size_t count) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(count));
+  for (size_t j = 0; list != nullptr && j < count; j++) {
     PyObject* index = PyLong_FromSsize_t(indices[j]);
     if (index == nullptr) {
       Py_CLEAR(list);
@@ -584,7 +597,7 @@ static PyObject* batch_lookup(PyObject* /*self*/, PyObject* args) {
 ///                     temp file before the rename (default False: none).
 /// @note Releases the GIL for the entire batch. A block's own failure
 ///       (is_block_error) does not stop the batch, any other error does; if
-///       any failed, raises the first error.
+///       any failed, raises the error that stopped it, else the first.
 static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
   PyObject* tmp_paths_obj = nullptr;
   PyObject* dest_paths_obj = nullptr;
@@ -652,7 +665,7 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
           static_cast<mode_t>(dir_mode), xattr_name,
           xattr != nullptr ? xattr->buf : nullptr,
           xattr != nullptr ? static_cast<size_t>(xattr->len) : 0, checksum);
-      if (err != 0 && failed_index < 0) {
+      if (err != 0 && (failed_index < 0 || !is_block_error(err))) {
         failed_index = i;
         failure_errno = err;
       }
@@ -695,9 +708,10 @@ static PyObject* batch_store_block(PyObject* /*self*/, PyObject* args) {
 ///         file's st_dev and st_ino; None for a failed block.
 /// @note Releases the GIL for the entire batch. A block's own failure
 ///       (is_block_error) does not stop the batch; any other error does, and
-///       the blocks after it count as failed. If any failed, raises the first
-///       error with `failed_indices`, the indices of all failed blocks, with
-///       an `xattr_name`, `xattr_reads`, the list returned otherwise, and with
+///       the blocks after it count as failed, untried. If any failed, raises
+///       the error that stopped it, else the first, with `failed_indices`, the
+///       indices of all failed blocks, `untried`, those after a stop, with an
+///       `xattr_name`, `xattr_reads`, the list returned otherwise, and with
 ///       `checksum`, `integrity_failed`, the indices of the blocks that failed
 ///       their CRC32C.
 static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
@@ -736,6 +750,8 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
   checksum_failed_indices.reserve(checksum ? n : 0);
   std::vector<char> failed(n, 0);
   std::vector<FileXattr> xattrs(xattr_name != nullptr ? n : 0);
+  Py_ssize_t failure_index = -1;  // the error raised
+  Py_ssize_t untried_from = n;
   int failure_errno = 0;
 
   {
@@ -751,12 +767,14 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
         checksum_failed_indices.push_back(i);
       }
       if (err != 0) {
-        if (failed_indices.empty()) {
+        if (failure_index < 0 || !is_block_error(err)) {
+          failure_index = i;
           failure_errno = err;
         }
         failed_indices.push_back(i);
         failed[i] = 1;
         if (!is_block_error(err)) {
+          untried_from = i + 1;
           for (Py_ssize_t j = i + 1; j < n; j++) {
             failed_indices.push_back(j);  // not tried
             failed[j] = 1;
@@ -802,8 +820,7 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
   if (!failed_indices.empty()) {
     // PyErr_SetFromErrnoWithFilename() reads the errno to format exception.
     errno = failure_errno;
-    PyErr_SetFromErrnoWithFilename(PyExc_OSError,
-                                   source_paths[failed_indices.front()]);
+    PyErr_SetFromErrnoWithFilename(PyExc_OSError, source_paths[failure_index]);
     // Attach the indices of all failed blocks so the tier can keep every
     // block that loaded (partial success).
     PyObject *etype, *evalue, *etb;
@@ -811,13 +828,23 @@ static PyObject* batch_load_block(PyObject* /*self*/, PyObject* args) {
     PyErr_NormalizeException(&etype, &evalue, &etb);
     if (evalue != nullptr) {
       // Without the attribute (out of memory), every block counts as failed.
-      PyObject* indices = index_list(failed_indices);
+      PyObject* indices =
+          index_list(failed_indices.data(), failed_indices.size());
       if (indices != nullptr) {
         PyObject_SetAttrString(evalue, "failed_indices", indices);
         Py_DECREF(indices);
       }
+      // the blocks after a stop: the last of failed_indices
+      PyObject* untried = index_list(
+          failed_indices.data() + failed_indices.size() - (n - untried_from),
+          static_cast<size_t>(n - untried_from));
+      if (untried != nullptr) {
+        PyObject_SetAttrString(evalue, "untried", untried);
+        Py_DECREF(untried);
+      }
       if (checksum) {
-        PyObject* checksum_indices = index_list(checksum_failed_indices);
+        PyObject* checksum_indices = index_list(checksum_failed_indices.data(),
+                                                checksum_failed_indices.size());
         if (checksum_indices != nullptr) {
           PyObject_SetAttrString(evalue, "integrity_failed", checksum_indices);
           Py_DECREF(checksum_indices);
@@ -857,7 +884,7 @@ static PyMethodDef fs_io_C_methods[] = {
      "Store a batch of blocks, each from its own buffer, to disk; with "
      "checksum, each with its CRC32C in the user.vllm.kv_crc32c xattr. A "
      "block's own failure does not stop the batch, any other error does; if "
-     "any failed, raises the first error."},
+     "any failed, raises the error that stopped it, else the first."},
     {"batch_load_block", batch_load_block, METH_VARARGS,
      "batch_load_block(source_paths: list[str],\n"
      "                 buffers: list[writable bytes-like],\n"
@@ -871,8 +898,8 @@ static PyMethodDef fs_io_C_methods[] = {
      "with the file's st_dev and st_ino; with checksum, check each block "
      "against its CRC32C (user.vllm.kv_crc32c). A block's own failure "
      "(missing, not a whole block) does not stop the batch, any other error "
-     "does; if any failed, raises the first error with failed_indices (and "
-     "xattr_reads, integrity_failed) set."},
+     "does; if any failed, raises the error that stopped it, else the first, "
+     "with failed_indices, untried (and xattr_reads, integrity_failed) set."},
     {nullptr, nullptr, 0, nullptr},
 };
 

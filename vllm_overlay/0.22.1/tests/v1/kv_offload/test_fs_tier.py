@@ -1336,6 +1336,97 @@ def test_start_up_removes_only_stale_temp_files(tmp_path):
     assert set(threading.enumerate()) <= threads, "raised after starting threads"
 
 
+@pytest.mark.parametrize("use_o_direct", [True, False])
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_fifo_at_a_block_path_fails_its_load_at_once(
+    tmp_path, monkeypatch, use_c_ext, use_o_direct
+):
+    """A FIFO at a block's path (planted by whoever may write into the tree)
+    is not a block: its load fails at once as such (EBADMSG, which does not
+    stop a batch), where the open blocked the I/O thread until a writer came,
+    if ever, or refused O_DIRECT (EINVAL)."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+    if use_o_direct and not io_mod.probe_o_direct(str(tmp_path)):
+        pytest.skip("no O_DIRECT here")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+    size, region = mmap.PAGESIZE, mmap.mmap(-1, mmap.PAGESIZE)
+    fifo = str(tmp_path / "block")
+    os.mkfifo(fifo)
+    errors: list[int] = []
+
+    def load() -> None:
+        try:
+            io_mod.batch_load_block([fifo], memoryview(region), [0], size, use_o_direct)
+        except OSError as exc:
+            errors.append(exc.errno)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    blocked = reader.is_alive()
+    if blocked:  # a writer's open lets it go on
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+    assert not blocked and errors == [errno.EBADMSG]
+
+
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_stopped_load_leaves_the_blocks_it_did_not_read(
+    fs_tier, tmp_path, monkeypatch, use_c_ext
+):
+    """A batch stopped by an error not of its block (ENAMETOOLONG, as a
+    failing disk) raises that error, not an earlier block's, with the blocks
+    after it as ``untried``; the tier neither looks at their paths nor makes
+    their keys misses until stored again: they were never read."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+    size, region = mmap.PAGESIZE, mmap.mmap(-1, 3 * mmap.PAGESIZE)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "file").write_bytes(b"x")  # in the way of a store
+    for batch, first in (
+        (io_mod.batch_load_block, "missing"),
+        (io_mod.batch_store_block, "dir"),
+    ):
+        paths = [str(tmp_path / name) for name in (first, "x" * 300, "last")]
+        with pytest.raises(OSError) as e:
+            batch(paths, memoryview(region), [0, size, 2 * size], size, False)
+        assert e.value.errno == errno.ENAMETOOLONG
+        if batch is io_mod.batch_load_block:
+            assert (e.value.failed_indices, e.value.untried) == ([0, 1, 2], [2])
+
+    tier, _ = fs_tier
+    keys = [key(n) for n in range(1, 5)]
+
+    def finish() -> list:
+        tier._pool.wait_idle()  # drain() alone stops after 50 ms without one
+        return drain(tier)
+
+    tier.submit_store(make_job(1, keys, [0, 1, 2, 3]))
+    assert all(r.success for r in finish())
+    real_paths, offsets = tier._paths_and_offsets(keys, [0, 1, 2, 3])
+    looked_at: list[str] = []
+    lstat = os.lstat
+
+    def second_path_too_long(keys, rows):
+        return [real_paths[0] + ".gone", "x" * 300, *real_paths[2:]], offsets
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tier, "_paths_and_offsets", second_path_too_long)
+        m.setattr(os, "lstat", lambda p, **kw: looked_at.append(p) or lstat(p, **kw))
+        tier.submit_load(make_job(2, keys, [0, 1, 2, 3], is_promotion=True))
+        assert [r.success for r in finish()] == [False]
+    assert not set(real_paths[2:]) & set(looked_at)
+    assert [tier.lookup(k, _CTX) for k in keys[2:]] == [True, True]
+    tier.submit_load(make_job(3, keys[2:], [2, 3], is_promotion=True))
+    assert all(r.success for r in finish())
+
+
 @pytest.mark.parametrize("use_c_ext", [True, False])
 def test_a_batch_stops_at_an_error_not_of_its_block(tmp_path, monkeypatch, use_c_ext):
     """A block's own failure (a missing file, a directory in a store's way) does

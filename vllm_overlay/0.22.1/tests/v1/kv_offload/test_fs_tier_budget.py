@@ -1863,3 +1863,24 @@ def test_a_chunk_stored_during_the_scan_stays_behind_its_recovered_head(
     finally:
         resume.set()
         tier.shutdown()
+
+
+def test_a_fifo_for_another_layouts_config_is_not_waited_on(tmp_path):
+    """Another layout's config.json that is a FIFO (planted by whoever may
+    write into the root) reads as none: the tier's start does not wait for a
+    writer, as it did, forever."""
+    fifo = tmp_path / "other" / "config.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    fields: list = []
+    reader = threading.Thread(
+        target=lambda: fields.append(fs_layouts._read_fields(str(tmp_path), "other")),
+        daemon=True,
+    )
+    reader.start()
+    reader.join(timeout=10)
+    blocked = reader.is_alive()
+    if blocked:  # a writer's open lets it go on
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+    assert not blocked and fields == [None]

@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.row_extents import group_row_runs
 from vllm.v1.kv_offload.tiering.fs.files import FileModes
 from vllm.v1.kv_offload.tiering.fs.io import (
+    BLOCK_ERRNOS,
     BlockMac,
     batch_load_block,
     batch_store_block,
@@ -129,11 +130,14 @@ def store_group_files(
     checksum: bool,
 ) -> None:
     """Store one group's files of the rows at *row_offsets* (batch_store_block
-    per batch). A failed file does not stop the others; the first error is
-    raised once all were tried."""
+    per batch). A file's own failure does not stop the others, any other
+    error stops the group's batches too; the error that stopped them, else
+    the first, is raised once they are done."""
     flat = view.cast("B")
     first_exc: Exception | None = None
     for batch in _batches(gf, len(paths)):
+        if first_exc is not None and stops_batch(first_exc):
+            break  # the batches after it would meet it too
         if gf.runs is None:
             source, offsets = flat, [row_offsets[i] + gf.offset for i in batch]
         else:
@@ -156,9 +160,16 @@ def store_group_files(
                 checksum,
             )
         except OSError as exc:
-            first_exc = first_exc or exc
+            if first_exc is None or stops_batch(exc):
+                first_exc = exc
     if first_exc is not None:
         raise first_exc
+
+
+def stops_batch(exc: Exception) -> bool:
+    """Whether *exc* is not a block's own failure (BLOCK_ERRNOS): the error
+    a batch raises when it stopped, over an earlier block's."""
+    return getattr(exc, "errno", None) not in BLOCK_ERRNOS
 
 
 def load_group_files(
@@ -173,14 +184,21 @@ def load_group_files(
 ) -> None:
     """Load one group's files into the rows at *row_offsets*
     (batch_load_block per batch): a gathered file's bytes reach the row's
-    runs only once it loaded and checked. If any failed, the first error is
-    raised once all were tried, carrying batch_load_block's
-    ``failed_indices`` and ``integrity_failed`` as indices of *paths*."""
+    runs only once it loaded and checked. A file's own failure does not
+    stop the others, any other error stops the group's batches too (the rest
+    untried). The error that stopped them, else the first, is raised once
+    they are done, carrying batch_load_block's ``failed_indices``,
+    ``untried`` and ``integrity_failed`` as indices of *paths*."""
     flat = view.cast("B")
     first_exc: OSError | None = None
     failed: list[int] = []
+    untried: list[int] = []
     integrity_failed: list[int] = []
     for batch in _batches(gf, len(paths)):
+        if first_exc is not None and stops_batch(first_exc):
+            failed.extend(batch)  # the batches after it would meet it too
+            untried.extend(batch)
+            continue
         if gf.runs is None:
             target, offsets = flat, [row_offsets[i] + gf.offset for i in batch]
         else:
@@ -199,11 +217,16 @@ def load_group_files(
                 checksum,
             )
         except OSError as exc:
-            first_exc = first_exc or exc
+            if first_exc is None or stops_batch(exc):
+                first_exc = exc
             batch_failed = getattr(exc, "failed_indices", None) or list(
                 range(len(batch))
             )
             failed.extend(batch[j] for j in batch_failed)
+            # where nothing says which blocks were read, none is looked at
+            known = hasattr(exc, "failed_indices")
+            batch_untried = getattr(exc, "untried", () if known else batch_failed)
+            untried.extend(batch[j] for j in batch_untried)
             integrity_failed.extend(
                 batch[j] for j in getattr(exc, "integrity_failed", ())
             )
@@ -219,5 +242,6 @@ def load_group_files(
                     )
     if first_exc is not None:
         first_exc.failed_indices = failed  # type: ignore[attr-defined]
+        first_exc.untried = untried  # type: ignore[attr-defined]
         first_exc.integrity_failed = integrity_failed  # type: ignore[attr-defined]
         raise first_exc

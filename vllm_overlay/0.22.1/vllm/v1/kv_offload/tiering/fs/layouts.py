@@ -14,6 +14,7 @@ engine running on it.
 import contextlib
 import json
 import os
+import stat
 import threading
 import time
 
@@ -97,9 +98,15 @@ def describe_layouts(
 
 
 def _read_fields(root_dir: str, name: str) -> dict | None:
-    """Another layout's recorded fields (its config.json), or None."""
+    """Another layout's recorded fields (its config.json), or None. A link
+    there is not followed, nor is a FIFO waited on: whoever may write into
+    the root (a group_access group) could plant either."""
+    path = os.path.join(root_dir, name, "config.json")
     try:
-        with open(os.path.join(root_dir, name, "config.json"), "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             fields = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None

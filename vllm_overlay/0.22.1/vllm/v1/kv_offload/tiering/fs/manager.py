@@ -122,9 +122,11 @@ from vllm.v1.kv_offload.tiering.fs.group_files import (
     GroupFile,
     group_files,
     load_group_files,
+    stops_batch,
     store_group_files,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
+    BLOCK_ERRNOS,
     CRC_XATTR,
     BlockMac,
     has_compiled_io,
@@ -778,9 +780,12 @@ class FileSystemTierManager(SecondaryTierManager):
         self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
     ) -> None:
         """Write each group's files of the rows at *offsets* of the primary
-        tier's view (raises once every group was tried)."""
+        tier's view; an error that stops a group's batch stops the store
+        (store_group_files), and is raised once it is done."""
         first_exc: Exception | None = None
         for group_file, idx in self._by_group(keys).items():
+            if first_exc is not None and stops_batch(first_exc):
+                break  # the groups after it would meet it too
             try:
                 store_group_files(
                     group_file,
@@ -794,7 +799,8 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._checksum,
                 )
             except Exception as exc:  # whatever the store raised
-                first_exc = first_exc or exc
+                if first_exc is None or stops_batch(exc):
+                    first_exc = exc
         if first_exc is not None:
             raise first_exc
 
@@ -884,17 +890,18 @@ class FileSystemTierManager(SecondaryTierManager):
         self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
 
     def _load_blocks(self, keys: list[OffloadKey], rows: list[int]) -> None:
-        """A load task (on an I/O thread): the blocks into *rows*. A failed
-        block does not stop the others; the first error is raised once all
-        were tried, with ``failed_indices`` and ``integrity_failed`` (indices
-        of *keys*) and what the failed blocks left at their paths
-        (_describe_failed_load())."""
+        """A load task (on an I/O thread): the blocks into *rows*. A block's
+        own failure does not stop the others; the error is raised once the
+        batch is done, with ``failed_indices``, ``untried`` and
+        ``integrity_failed`` (indices of *keys*; batch_load_block) and what
+        the failed blocks left at their paths (_describe_failed_load())."""
         paths, offsets = self._paths_and_offsets(keys, rows)
         try:
             self._read_rows(keys, paths, offsets)
         except Exception as exc:  # whatever the load raised
             if getattr(exc, "failed_indices", None) is None:
-                exc.failed_indices = list(range(len(keys)))  # type: ignore[attr-defined]
+                # no block is known to be read: none is looked at
+                exc.failed_indices = exc.untried = list(range(len(keys)))  # type: ignore[attr-defined]
             self._describe_failed_load(exc, keys, paths)
             raise
 
@@ -902,12 +909,19 @@ class FileSystemTierManager(SecondaryTierManager):
         self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
     ) -> None:
         """Read each group's files into the rows at *offsets* of the primary
-        tier's view; the first error is raised once every group was tried,
-        with ``failed_indices`` and ``integrity_failed`` of all groups."""
+        tier's view; an error that stops a group's batch stops the load (the
+        other groups untried). The error that stopped it, else the first, is
+        raised once it is done, with ``failed_indices``, ``untried`` and
+        ``integrity_failed`` of all groups."""
         first_exc: Exception | None = None
         failed: list[int] = []
+        untried: list[int] = []
         integrity_failed: list[int] = []
         for group_file, idx in self._by_group(keys).items():
+            if first_exc is not None and stops_batch(first_exc):
+                failed.extend(idx)  # the groups after it would meet it too
+                untried.extend(idx)
+                continue
             try:
                 load_group_files(
                     group_file,
@@ -920,43 +934,59 @@ class FileSystemTierManager(SecondaryTierManager):
                     self._checksum,
                 )
             except Exception as exc:  # whatever the load raised: its group failed
-                first_exc = first_exc or exc
-                group_failed = getattr(exc, "failed_indices", range(len(idx)))
+                if first_exc is None or stops_batch(exc):
+                    first_exc = exc
+                everything = range(len(idx))
+                group_failed = getattr(exc, "failed_indices", everything)
                 failed.extend(idx[j] for j in group_failed)
+                # where nothing says which blocks were read, none is looked at
+                known = hasattr(exc, "failed_indices")
+                group_untried = getattr(exc, "untried", () if known else everything)
+                untried.extend(idx[j] for j in group_untried)
                 integrity = getattr(exc, "integrity_failed", ())
                 integrity_failed.extend(idx[j] for j in integrity)
         if first_exc is not None:
             first_exc.failed_indices = sorted(set(failed))  # type: ignore[attr-defined]
+            first_exc.untried = sorted(untried)  # type: ignore[attr-defined]
             first_exc.integrity_failed = sorted(integrity_failed)  # type: ignore[attr-defined]
             raise first_exc
 
     def _describe_failed_load(
         self, exc: Exception, keys: list[OffloadKey], paths: list[str]
     ) -> None:
-        """On the I/O thread, what a failed load left at its paths, as
-        attributes of its error (read in _finish_load()): ``unloadable``,
+        """On the I/O thread, what a failed load left at the paths it read,
+        as attributes of its error (read in _finish_load()): ``unloadable``,
         the indices of failed blocks whose path still holds something: not a
         block, or a file that failed its check and could not be removed, or
-        one whose read failed for a reason that will not pass (EIO, EACCES),
+        the one whose error stopped the batch, if it will not pass (EIO, EACCES),
         which a store of the key writes anew; and ``gone``, those whose file
         the budget forgets (gone, or not a block kept; a file whose read
         failed is still there and still counted)."""
         failed = exc.failed_indices  # type: ignore[attr-defined]
+        # the blocks after an error that stopped the batch were not read: on a
+        # failing disk, looking at their paths would wait as long again
+        untried = set(getattr(exc, "untried", ()))
+        tried = [i for i in failed if i not in untried]
         integrity_failed = set(getattr(exc, "integrity_failed", ()))
         kept_broken = {
             i
-            for i in failed
+            for i in tried
             if holds_no_block(paths[i], self._file_size(keys[i]))
             or (i in integrity_failed and os.path.lexists(paths[i]))
         }
-        lasting = getattr(exc, "errno", None) not in TRANSIENT_LOAD_ERRNOS
+        # the block whose error stopped the batch (named by it), if that error
+        # will not pass
+        code = getattr(exc, "errno", None)
+        lasting = code not in BLOCK_ERRNOS and code not in TRANSIENT_LOAD_ERRNOS
+        stopped_at = getattr(exc, "filename", None) if lasting else None
         exc.unloadable = [  # type: ignore[attr-defined]
             i
-            for i in failed
-            if i in kept_broken or (lasting and os.path.lexists(paths[i]))
+            for i in tried
+            if i in kept_broken
+            or (paths[i] == stopped_at and os.path.lexists(paths[i]))
         ]
         exc.gone = [  # type: ignore[attr-defined]
-            i for i in failed if i in kept_broken or not is_block_path(paths[i])
+            i for i in tried if i in kept_broken or not is_block_path(paths[i])
         ]
         # Surfaces errno (e.g. EMFILE "Too many open files") for both the C
         # and Python load paths.

@@ -3,6 +3,7 @@
 
 import contextlib
 import errno
+import fcntl
 import hmac
 import logging
 import mmap
@@ -423,7 +424,10 @@ def _load_block(
     o_direct = O_DIRECT if use_o_direct else 0
 
     try:
-        fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | o_direct)
+        # O_NONBLOCK: a FIFO at the path does not block until a writer comes
+        # (reads of regular files ignore it on Linux); O_DIRECT is set once
+        # the file is known to be a block: a FIFO refuses it (EINVAL)
+        fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EBADMSG, "Not a regular file", source_path)
@@ -434,6 +438,8 @@ def _load_block(
                 f"Block file has {st.st_size} bytes, expected {block_size}",
                 source_path,
             )
+        if o_direct:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | o_direct)
         bytes_read = os.readv(fd, [view_slice])
         if bytes_read < block_size:
             _remove_if_same_file(source_path, st)
@@ -470,7 +476,8 @@ def batch_store_block(
     *mac*, the MAC of keys[i] and the block is set on the temp file before
     the rename, with *checksum* the block's CRC32C. A block's own failure
     (BLOCK_ERRNOS) does not stop the batch, any other error does; if any
-    failed, the first error is raised once the batch is done.
+    failed, the error that stopped it, else the first, is raised once the
+    batch is done.
     """
     _validate_offsets(view, offsets, block_size)
     view_B = view.cast("B")
@@ -513,9 +520,10 @@ def batch_store_block(
                     checksum,
                 )
             except OSError as exc:
-                if first_exc is None:
+                stops = exc.errno not in BLOCK_ERRNOS
+                if first_exc is None or stops:
                     first_exc = exc
-                if exc.errno not in BLOCK_ERRNOS:
+                if stops:
                     break  # the blocks after it would meet it too
         if first_exc is not None:
             raise first_exc
@@ -537,15 +545,16 @@ def batch_load_block(
     A block's own failure (BLOCK_ERRNOS; see _load_block for the
     delete-on-short-read policy) does not stop the batch: the other blocks are
     still loaded. Any other error stops it, and the blocks after it count as
-    failed. With a *mac*, each block read is then checked against the MAC
+    failed, untried. With a *mac*, each block read is then checked against the MAC
     attribute read from the same open file, for keys[i] (BlockMac.check): a
     mismatch fails the block; with *checksum*, each block read is checked
     against its file's CRC32C (a mismatch, or none recorded, fails the block
-    and removes the file). If any block failed, the first error is raised once
-    the batch is done, carrying ``failed_indices``, the indices of all failed
-    blocks in ascending order, so the tier can keep every block that loaded,
-    and ``integrity_failed``, the indices of those that failed their MAC or
-    CRC32C.
+    and removes the file). If any block failed, the error that stopped the
+    batch, else the first, is raised once the batch is done, carrying
+    ``failed_indices``, the indices of all failed blocks in ascending order,
+    so the tier can keep every block that loaded, ``untried``, those of the
+    blocks after a stop, and ``integrity_failed``, those of the blocks that
+    failed their MAC or CRC32C.
     """
     if mac is None:
         _batch_load_block(
@@ -584,6 +593,7 @@ def batch_load_block(
                 first_exc = exc
     if first_exc is not None:
         first_exc.failed_indices = sorted(failed)  # type: ignore[attr-defined]
+        first_exc.untried = getattr(first_exc, "untried", [])  # type: ignore[attr-defined]
         first_exc.integrity_failed = sorted(integrity_failed)  # type: ignore[attr-defined]
         raise first_exc
 
@@ -629,45 +639,64 @@ def _batch_load_block(
         if xattr_name is None:
             return None
         return [FileMac(*r) for r in found]
-    else:
-        first_exc: OSError | None = None
-        failed_indices: list[int] = []
-        integrity_failed_py: list[int] = []
-        reads: list[FileMac | None] = []
-        for i, (path, offset) in enumerate(zip(paths, offsets)):
-            try:
-                reads.append(
-                    _load_block(
-                        path,
-                        view,
-                        offset,
-                        block_size,
-                        use_o_direct,
-                        read_mac=xattr_name is not None,
-                        checksum=checksum,
-                    )
+    return _load_each_block(
+        paths, view, offsets, block_size, use_o_direct, xattr_name, checksum
+    )
+
+
+def _load_each_block(
+    paths: list[str],
+    view: memoryview,
+    offsets: list[int],
+    block_size: int,
+    use_o_direct: bool,
+    xattr_name: str | None,
+    checksum: bool,
+) -> list[FileMac | None] | None:
+    """_batch_load_block's Python path, block by block (_load_block)."""
+    first_exc: OSError | None = None
+    failed_indices: list[int] = []
+    integrity_failed: list[int] = []
+    reads: list[FileMac | None] = []
+    untried = range(0)
+    for i, (path, offset) in enumerate(zip(paths, offsets)):
+        try:
+            reads.append(
+                _load_block(
+                    path,
+                    view,
+                    offset,
+                    block_size,
+                    use_o_direct,
+                    read_mac=xattr_name is not None,
+                    checksum=checksum,
                 )
-            except OSError as exc:
-                reads.append(None)
-                failed_indices.append(i)
-                if isinstance(exc, BlockIntegrityError):
-                    integrity_failed_py.append(i)
-                if first_exc is None:
-                    first_exc = exc
-                if exc.errno not in BLOCK_ERRNOS:
-                    not_tried = range(i + 1, len(paths))
-                    failed_indices.extend(not_tried)
-                    reads.extend(None for _ in not_tried)
-                    break
-        if first_exc is not None:
-            # The C path sets the same attributes via PyObject_SetAttrString.
-            first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
-            if checksum:
-                first_exc.integrity_failed = integrity_failed_py  # type: ignore[attr-defined]
-            if xattr_name is not None:
-                first_exc.xattr_reads = reads  # type: ignore[attr-defined]
-            raise first_exc
-        return reads if xattr_name is not None else None
+            )
+        except OSError as exc:
+            if exc.filename is None:  # from readv or fstat: named, as in C
+                exc.filename = path
+            reads.append(None)
+            failed_indices.append(i)
+            if isinstance(exc, BlockIntegrityError):
+                integrity_failed.append(i)
+            stops = exc.errno not in BLOCK_ERRNOS
+            if first_exc is None or stops:
+                first_exc = exc
+            if stops:
+                untried = range(i + 1, len(paths))
+                failed_indices.extend(untried)
+                reads.extend(None for _ in untried)
+                break
+    if first_exc is not None:
+        # The C path sets the same attributes via PyObject_SetAttrString.
+        first_exc.failed_indices = failed_indices  # type: ignore[attr-defined]
+        first_exc.untried = list(untried)  # type: ignore[attr-defined]
+        if checksum:
+            first_exc.integrity_failed = integrity_failed  # type: ignore[attr-defined]
+        if xattr_name is not None:
+            first_exc.xattr_reads = reads  # type: ignore[attr-defined]
+        raise first_exc
+    return reads if xattr_name is not None else None
 
 
 def _crc_error(exc: OSError) -> BlockIntegrityError:
@@ -678,7 +707,7 @@ def _crc_error(exc: OSError) -> BlockIntegrityError:
         "does not hold the block stored (CRC32C mismatch, or none recorded)",
         exc.filename,
     )
-    for name in ("failed_indices", "xattr_reads", "integrity_failed"):
+    for name in ("failed_indices", "untried", "xattr_reads", "integrity_failed"):
         if hasattr(exc, name):
             setattr(error, name, getattr(exc, name))
     return error

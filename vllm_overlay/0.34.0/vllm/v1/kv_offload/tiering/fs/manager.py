@@ -139,6 +139,7 @@ from vllm.v1.kv_offload.tiering.fs.files import (
     write_file_atomically,
 )
 from vllm.v1.kv_offload.tiering.fs.io import (
+    BLOCK_ERRNOS,
     BlockMac,
     batch_load_block,
     batch_store_block,
@@ -925,17 +926,18 @@ class FileSystemTierManager(SecondaryTierManager):
         self._pool.enqueue_load(job_metadata.job_id, 1, [task], job, len(keys))
 
     def _load_blocks(self, keys: list[OffloadKey], rows: list[int]) -> None:
-        """A load task (on an I/O thread): the blocks into *rows*. A failed
-        block does not stop the others; the first error is raised once all
-        were tried, with ``failed_indices`` and ``integrity_failed`` (indices
-        of *keys*) and what the failed blocks left at their paths
-        (_describe_failed_load())."""
+        """A load task (on an I/O thread): the blocks into *rows*. A block's
+        own failure does not stop the others; the error is raised once the
+        batch is done, with ``failed_indices``, ``untried`` and
+        ``integrity_failed`` (indices of *keys*; batch_load_block) and what
+        the failed blocks left at their paths (_describe_failed_load())."""
         paths, offsets = self._paths_and_offsets(keys, rows)
         try:
             self._read_rows(keys, paths, offsets)
         except Exception as exc:  # whatever the load raised
             if getattr(exc, "failed_indices", None) is None:
-                exc.failed_indices = list(range(len(keys)))  # type: ignore[attr-defined]
+                # no block is known to be read: none is looked at
+                exc.failed_indices = exc.untried = list(range(len(keys)))  # type: ignore[attr-defined]
             self._describe_failed_load(exc, keys, paths)
             raise
 
@@ -958,30 +960,39 @@ class FileSystemTierManager(SecondaryTierManager):
     def _describe_failed_load(
         self, exc: Exception, keys: list[OffloadKey], paths: list[str]
     ) -> None:
-        """On the I/O thread, what a failed load left at its paths, as
-        attributes of its error (read in _finish_load()): ``unloadable``,
+        """On the I/O thread, what a failed load left at the paths it read,
+        as attributes of its error (read in _finish_load()): ``unloadable``,
         the indices of failed blocks whose path still holds something: not a
         block, or a file that failed its check and could not be removed, or
-        one whose read failed for a reason that will not pass (EIO, EACCES),
+        the one whose error stopped the batch, if it will not pass (EIO, EACCES),
         which a store of the key writes anew; and ``gone``, those whose file
         the budget forgets (gone, or not a block kept; a file whose read
         failed is still there and still counted)."""
         failed = exc.failed_indices  # type: ignore[attr-defined]
+        # the blocks after an error that stopped the batch were not read: on a
+        # failing disk, looking at their paths would wait as long again
+        untried = set(getattr(exc, "untried", ()))
+        tried = [i for i in failed if i not in untried]
         integrity_failed = set(getattr(exc, "integrity_failed", ()))
         kept_broken = {
             i
-            for i in failed
+            for i in tried
             if holds_no_block(paths[i], self._file_size(keys[i]))
             or (i in integrity_failed and os.path.lexists(paths[i]))
         }
-        lasting = getattr(exc, "errno", None) not in TRANSIENT_LOAD_ERRNOS
+        # the block whose error stopped the batch (named by it), if that error
+        # will not pass
+        code = getattr(exc, "errno", None)
+        lasting = code not in BLOCK_ERRNOS and code not in TRANSIENT_LOAD_ERRNOS
+        stopped_at = getattr(exc, "filename", None) if lasting else None
         exc.unloadable = [  # type: ignore[attr-defined]
             i
-            for i in failed
-            if i in kept_broken or (lasting and os.path.lexists(paths[i]))
+            for i in tried
+            if i in kept_broken
+            or (paths[i] == stopped_at and os.path.lexists(paths[i]))
         ]
         exc.gone = [  # type: ignore[attr-defined]
-            i for i in failed if i in kept_broken or not is_block_path(paths[i])
+            i for i in tried if i in kept_broken or not is_block_path(paths[i])
         ]
         # Surfaces errno (e.g. EMFILE "Too many open files") for both the C
         # and Python load paths.
