@@ -384,7 +384,8 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   // write into the tree) is never read through (ELOOP, left untouched).
   // O_NONBLOCK: nor does a FIFO there block the open until a writer comes
   // (reads of regular files ignore it on Linux). O_DIRECT is set once the
-  // file is known to be a block: a FIFO or socket refuses it (EINVAL).
+  // file is known to be a regular one: open(O_DIRECT) refuses a FIFO
+  // (EINVAL), fcntl() would not.
   const int fd =
       open(source_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0);
   if (fd < 0) {

@@ -426,7 +426,8 @@ def _load_block(
     try:
         # O_NONBLOCK: a FIFO at the path does not block until a writer comes
         # (reads of regular files ignore it on Linux); O_DIRECT is set once
-        # the file is known to be a block: a FIFO refuses it (EINVAL)
+        # the file is known to be a regular one: open(O_DIRECT) refuses a FIFO
+        # (EINVAL), fcntl() would not
         fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -813,7 +813,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
     ) -> None:
         """Write each key's row at *offsets* of the primary tier's view to
-        its path (raises once every block was tried)."""
+        its path; an error not of its block stops it (batch_store_block)."""
         if paths:
             batch_store_block(
                 paths,
@@ -945,7 +945,7 @@ class FileSystemTierManager(SecondaryTierManager):
         self, keys: list[OffloadKey], paths: list[str], offsets: list[int]
     ) -> None:
         """Read each key's file into its row at *offsets* of the primary
-        tier's view (raises once every block was tried)."""
+        tier's view; an error not of its block stops it (batch_load_block)."""
         batch_load_block(
             paths,
             self._primary_kv_view,
