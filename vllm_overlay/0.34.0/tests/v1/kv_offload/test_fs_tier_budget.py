@@ -1607,6 +1607,9 @@ def test_an_engine_that_left_keeps_its_files_counted(tmp_path, monkeypatch):
     second, _ = _budget_on(root, 4)
     keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(1, 6)]
     try:
+        # the first reads the second's ledger before its stores: a ledger's
+        # first read counts nothing (a listing would, and none comes here)
+        wait_until(lambda: first._ledgers.shared)
         for i, k in enumerate(keys[:2]):
             _store_one(second, path_of, k, f"b{i}")
         wait_until(lambda: first.others == 2 * 4096)
