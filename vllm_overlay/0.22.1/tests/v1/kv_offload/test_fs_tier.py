@@ -349,6 +349,28 @@ def test_aligned_rows_use_o_direct_where_supported(tmp_path, caplog):
         assert "O_DIRECT I/O is not supported here" in message
 
 
+def test_the_o_direct_probe_sets_it_as_loads_do(tmp_path, monkeypatch):
+    """Loads set O_DIRECT with fcntl() on a file open for reading: where
+    that is refused (EINVAL) though open(O_DIRECT) works, the probe says no
+    O_DIRECT, so that loads read buffered instead of failing every block."""
+    import fcntl
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if not io_mod.probe_o_direct(str(tmp_path)):
+        pytest.skip("no O_DIRECT support here")
+    real_fcntl = fcntl.fcntl
+
+    def fcntl_refusing_o_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & io_mod.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_refusing_o_direct)
+    assert io_mod.probe_o_direct(str(tmp_path)) is False
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
 def test_o_direct_is_probed_again_after_a_transient_failure(
     tmp_path, monkeypatch, caplog, error
@@ -1425,6 +1447,56 @@ def test_a_stopped_load_leaves_the_blocks_it_did_not_read(
     assert [tier.lookup(k, _CTX) for k in keys[2:]] == [True, True]
     tier.submit_load(make_job(3, keys[2:], [2, 3], is_promotion=True))
     assert all(r.success for r in finish())
+
+
+@pytest.mark.parametrize("use_c_ext", [True, False])
+def test_a_stop_ends_a_groups_later_batches(tmp_path, monkeypatch, use_c_ext):
+    """A group's files gathered one per batch call: an error not of a block
+    (ENAMETOOLONG, as a failing disk) in one batch raises that error, not an
+    earlier batch's missing file, and the batches after it are neither read
+    into their rows nor written (untried)."""
+    import vllm.v1.kv_offload.tiering.fs.group_files as gf_mod
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+    from vllm.v1.kv_offload.tiering.fs.files import PRIVATE_MODES
+
+    if use_c_ext and not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
+    size = mmap.PAGESIZE
+    monkeypatch.setattr(gf_mod, "GATHER_BYTES", size)  # a file per batch
+    group = gf_mod.GroupFile(0, size, ((0, size),))
+    rows, offsets = mmap.mmap(-1, 4 * size), [0, size, 2 * size, 3 * size]
+    names = ["missing", "ok", "x" * 300, "last"]
+    paths = [str(tmp_path / name) for name in names]
+    for path in paths[1::2]:
+        with open(path, "wb") as f:
+            f.write(b"\x07" * size)
+    keys = [key(n) for n in range(4)]
+    with pytest.raises(OSError) as e:
+        gf_mod.load_group_files(
+            group, paths, memoryview(rows), offsets, False, None, keys, False
+        )
+    assert e.value.errno == errno.ENAMETOOLONG
+    assert (e.value.failed_indices, e.value.untried) == ([0, 2, 3], [3])
+    assert rows[size : 2 * size] == b"\x07" * size
+    assert rows[3 * size :] == bytes(size)  # never read
+    os.remove(paths[3])
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "file").write_bytes(b"x")  # in the way of a store
+    with pytest.raises(OSError) as e:
+        gf_mod.store_group_files(
+            group,
+            [str(tmp_path / "dir"), *paths[1:]],
+            memoryview(rows),
+            offsets,
+            False,
+            PRIVATE_MODES,
+            None,
+            keys,
+            False,
+        )
+    assert e.value.errno == errno.ENAMETOOLONG
+    assert not os.path.exists(paths[3])  # never written
 
 
 @pytest.mark.parametrize("use_c_ext", [True, False])

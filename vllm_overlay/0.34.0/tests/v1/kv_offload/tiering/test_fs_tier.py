@@ -1687,6 +1687,28 @@ def test_unaligned_rows_fall_back_to_buffered_io(tmp_path, caplog_vllm):
     )
 
 
+def test_the_o_direct_probe_sets_it_as_loads_do(tmp_path, monkeypatch):
+    """Loads set O_DIRECT with fcntl() on a file open for reading: where
+    that is refused (EINVAL) though open(O_DIRECT) works, the probe says no
+    O_DIRECT, so that loads read buffered instead of failing every block."""
+    import fcntl
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if not io_mod.probe_o_direct(str(tmp_path)):
+        pytest.skip("no O_DIRECT support here")
+    real_fcntl = fcntl.fcntl
+
+    def fcntl_refusing_o_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & io_mod.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_refusing_o_direct)
+    assert io_mod.probe_o_direct(str(tmp_path)) is False
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO", "EINVAL"])
 def test_o_direct_is_probed_again_after_a_transient_failure(
     tmp_path, monkeypatch, error

@@ -217,7 +217,8 @@ def probe_o_direct(directory: str) -> bool:
     ``O_DIRECT`` is unsupported on some filesystems (e.g. the overlayfs backing
     a container ``/tmp``, older tmpfs, or some NFS mounts), where opening or
     writing a file with it fails with ``EINVAL``. Probe once with an aligned
-    single-page write so callers can fall back to buffered I/O instead of
+    single-page write, and a read of it with ``O_DIRECT`` set by ``fcntl()``
+    as loads set it, so callers can fall back to buffered I/O instead of
     failing on every block. A failure that says nothing about ``O_DIRECT``
     support (TRANSIENT_ERRNOS, e.g. a full disk) raises its ``OSError``, so
     that the caller can probe again later.
@@ -232,6 +233,12 @@ def probe_o_direct(directory: str) -> bool:
         fd = os.open(path, flags, 0o600)
         try:
             os.write(fd, page)
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+            os.readv(fd, [page])
         finally:
             os.close(fd)
         return True
