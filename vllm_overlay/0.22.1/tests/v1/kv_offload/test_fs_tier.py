@@ -1499,6 +1499,32 @@ def test_a_stop_ends_a_groups_later_batches(tmp_path, monkeypatch, use_c_ext):
     assert not os.path.exists(paths[3])  # never written
 
 
+def test_a_failing_directory_lookup_stops_a_store_batch(tmp_path, monkeypatch):
+    """Python I/O: a block's directory is there but looking at it fails (EIO,
+    a failing disk): the store batch stops at EIO, as at any error not of its
+    block, instead of taking it for EEXIST, a block's own failure, and going
+    on to the next blocks."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    size, failing = mmap.PAGESIZE, tmp_path / "failing"
+    region, offsets = mmap.mmap(-1, 2 * size), [0, size]
+    failing.mkdir()
+    paths = [str(failing / "first.bin"), str(tmp_path / "ok" / "last.bin")]
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path) == str(failing):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(OSError) as e:
+        io_mod.batch_store_block(paths, memoryview(region), offsets, size, False)
+    assert e.value.errno == errno.EIO
+    assert not os.path.exists(paths[1])
+
+
 @pytest.mark.parametrize("use_c_ext", [True, False])
 def test_a_batch_stops_at_an_error_not_of_its_block(tmp_path, monkeypatch, use_c_ext):
     """A block's own failure (a missing file, a directory in a store's way) does

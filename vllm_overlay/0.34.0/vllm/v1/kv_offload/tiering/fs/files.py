@@ -59,11 +59,21 @@ PRIVATE_MODES = FileModes(file=0o600, dir=0o700)
 GROUP_MODES = FileModes(file=0o640, dir=0o2770)
 
 
+def _is_dir(path: str) -> bool:
+    """os.path.isdir() that raises what is not a missing path (EIO, ESTALE):
+    a failing disk stops a batch, it must not pass for EEXIST, a block's own
+    failure."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
     """Create *path* and its missing parents with modes.dir (os.makedirs gives
     them 0o777 & ~umask). Returns whether any was created."""
     missing = []
-    while path and not os.path.isdir(path):
+    while path and not _is_dir(path):
         missing.append(path)
         parent = os.path.dirname(path)
         if parent == path:
@@ -73,7 +83,7 @@ def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
         try:
             os.mkdir(directory, modes.dir)
         except FileExistsError:
-            if not os.path.isdir(directory):
+            if not _is_dir(directory):
                 raise
             continue  # created by another thread or engine meanwhile
         os.chmod(directory, modes.dir)
