@@ -1311,7 +1311,8 @@ def test_promotion_never_evicts_blocks_reported_ready(
             list(sched.take_events())  # end of engine step
             if not pending:
                 break
-            time.sleep(0.01)
+            for tier in sched.manager.secondary_tiers:
+                tier._pool.wait_idle()  # the step's promotions landed
         assert not pending, "requests deferred forever"
         list(sched.take_events())
         blocks = sched.manager.primary_tier._policy.blocks.values()

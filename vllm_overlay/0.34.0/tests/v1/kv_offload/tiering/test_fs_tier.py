@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import (
@@ -131,17 +132,23 @@ def lookup_and_wait(
     tier: FileSystemTierManager,
     keys: list[OffloadKey],
     ctx: ReqContext = _CTX,
-    timeout: float = 1.0,
+    timeout: float = 30.0,
 ) -> list[LookupResult]:
-    """Perform a full async lookup cycle and return resolved results."""
+    """Perform a full async lookup cycle and return resolved results: waits
+    until no key's probe is in flight (a cached verdict needs none), not a
+    fixed time a slow machine may overrun."""
     for k in keys:
         tier.lookup(k, ctx)
     tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    lookups = tier._lookup_manager
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not tier._lookup_manager._pending_results.empty():
+    while True:
+        lookups.drain_results()
+        states = [lookups._lookup_state.get(k) for k in keys]
+        if all(s is None or s.phase is not LookupPhase.IN_FLIGHT for s in states):
             break
-        time.sleep(0.01)
+        assert time.monotonic() < deadline, "the lookup did not resolve"
+        time.sleep(0.005)
     return [tier.lookup(k, ctx) for k in keys]
 
 
@@ -1046,6 +1053,7 @@ def test_a_stopped_load_leaves_the_blocks_it_did_not_read(
     tier.submit_store(make_job(1, keys, [0, 1, 2, 3]))
     assert all(r.success for r in drain(tier))
     real_paths, offsets = tier._paths_and_offsets(keys, [0, 1, 2, 3])
+    tier._tmp_cleanup.join()  # its start-up walk looks at the files too
     looked_at: list[str] = []
     lstat = os.lstat
 
