@@ -382,10 +382,10 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
   const int o_direct_flag = use_o_direct ? kODirectFlag : 0;
   // O_NOFOLLOW: a symbolic link at a block's path (planted by whoever could
   // write into the tree) is never read through (ELOOP, left untouched).
-  // O_NONBLOCK: nor does a FIFO there block the open until a writer comes
-  // (reads of regular files ignore it on Linux). O_DIRECT is set once the
-  // file is known to be a regular one: open(O_DIRECT) refuses a FIFO
-  // (EINVAL), fcntl() would not.
+  // O_NONBLOCK: nor does a FIFO there block the open until a writer comes.
+  // Once the file is known to be a regular one, O_NONBLOCK goes (Lustre
+  // fails a read another node's lock holds with EAGAIN under it) and
+  // O_DIRECT is set where asked: open(O_DIRECT) refuses a FIFO (EINVAL).
   const int fd =
       open(source_path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0);
   if (fd < 0) {
@@ -407,13 +407,11 @@ inline int _load_block(const char* source_path, char* dst, size_t size,
     close(fd);
     return EBADMSG;
   }
-  if (o_direct_flag != 0) {
-    const int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags | o_direct_flag) != 0) {
-      const int err = errno;
-      close(fd);
-      return err;
-    }
+  // the fd's only status flags are these two: F_SETFL sets both at once
+  if (fcntl(fd, F_SETFL, o_direct_flag) != 0) {
+    const int err = errno;
+    close(fd);
+    return err;
   }
 
   const ssize_t bytes_read = read(fd, dst, size);

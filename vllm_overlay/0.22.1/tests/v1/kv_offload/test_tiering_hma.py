@@ -1311,8 +1311,11 @@ def test_promotion_never_evicts_blocks_reported_ready(
             list(sched.take_events())  # end of engine step
             if not pending:
                 break
-            for tier in sched.manager.secondary_tiers:
-                tier._pool.wait_idle()  # the step's promotions landed
+            for tier in sched.manager.secondary_tiers:  # promotions landed
+                with tier._pool._condition:
+                    assert tier._pool._condition.wait_for(
+                        lambda pool=tier._pool: pool._inflight_jobs == 0, 60
+                    )
         assert not pending, "requests deferred forever"
         list(sched.take_events())
         blocks = sched.manager.primary_tier._policy.blocks.values()

@@ -1141,7 +1141,7 @@ def test_two_tiers_on_one_root_keep_their_budgets(tmp_path, monkeypatch):
 
     # neither lists the root after its start (which would count the other's
     # files in one max_bytes), however slow this machine
-    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9, raising=False)
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9)
     rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
     page = rows.numpy().strides[0]
     root = str(tmp_path)
@@ -1479,10 +1479,15 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
         _store_one(budget, path_of, key, req_id)
 
     try:
+        listed = second.rescans
         for i, k in enumerate(keys[:4]):
             store(first, k, f"a{i}")
-        second._relist = True  # a listing after the last file's write
+        # the first's ledger moved: the second lists the root again, and once
+        # more after the last file's write, which a slow machine may delay
+        wait_until(lambda: second.rescans > listed)
+        second._relist = True
         wait_until(lambda: second.used == 4 * 4096)
+        listed = first.rescans
         for i, k in enumerate(keys[4:]):
             store(second, k, f"b{i}")
             assert len(block_files(root)) <= 4
@@ -1490,6 +1495,7 @@ def test_budgets_on_one_root_keep_it_within_one_max_bytes(tmp_path, monkeypatch)
         assert not any(os.path.exists(path_of(k)) for k in keys[:4])
         assert os.path.exists(path_of(keys[7]))
         # the first indexes the second's files once it lists the root
+        wait_until(lambda: first.rescans > listed)
         first._relist = True
         wait_until(
             lambda: all(

@@ -978,7 +978,7 @@ def test_a_failing_directory_lookup_stops_a_store_batch(tmp_path, monkeypatch):
     real_stat = os.stat
 
     def stat(path, *args, **kwargs):
-        if os.fspath(path) == str(failing):
+        if path == str(failing):
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         return real_stat(path, *args, **kwargs)
 
@@ -1053,7 +1053,8 @@ def test_a_stopped_load_leaves_the_blocks_it_did_not_read(
     tier.submit_store(make_job(1, keys, [0, 1, 2, 3]))
     assert all(r.success for r in drain(tier))
     real_paths, offsets = tier._paths_and_offsets(keys, [0, 1, 2, 3])
-    tier._tmp_cleanup.join()  # its start-up walk looks at the files too
+    tier._tmp_cleanup.join(30)  # its start-up walk looks at the files too
+    assert not tier._tmp_cleanup.is_alive()
     looked_at: list[str] = []
     lstat = os.lstat
 
@@ -1724,23 +1725,70 @@ def test_unaligned_rows_fall_back_to_buffered_io(tmp_path, caplog_vllm):
 def test_the_o_direct_probe_sets_it_as_loads_do(tmp_path, monkeypatch):
     """Loads set O_DIRECT with fcntl() on a file open for reading: where
     that is refused (EINVAL) though open(O_DIRECT) works, the probe says no
-    O_DIRECT, so that loads read buffered instead of failing every block."""
+    O_DIRECT, and the tier stores and loads with buffered I/O instead of
+    failing every load."""
     import fcntl
+    from types import SimpleNamespace
 
     import vllm.v1.kv_offload.tiering.fs.io as io_mod
 
     if not io_mod.probe_o_direct(str(tmp_path)):
         pytest.skip("no O_DIRECT support here")
-    real_fcntl = fcntl.fcntl
 
     def fcntl_refusing_o_direct(fd, cmd, arg=0):
         if cmd == fcntl.F_SETFL and arg & io_mod.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_fcntl(fd, cmd, arg)
+        return fcntl.fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(fcntl, "fcntl", fcntl_refusing_o_direct)
+    fake = SimpleNamespace(
+        fcntl=fcntl_refusing_o_direct, F_SETFL=fcntl.F_SETFL, F_GETFL=fcntl.F_GETFL
+    )
+    monkeypatch.setattr(io_mod, "fcntl", fake)
     assert io_mod.probe_o_direct(str(tmp_path)) is False
     assert os.listdir(tmp_path) == []
+    tensor = _page_aligned_zero_tensor(4, mmap.PAGESIZE)
+    tensor[:2] = 5
+    tier = _make_small_tier(tmp_path / "root", tensor)
+    try:
+        assert tier._use_o_direct is False
+        tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+        assert [r.success for r in drain(tier)] == [True]
+        tensor[:2] = 0
+        tier.submit_load(make_job(2, [key(1), key(2)], [0, 1], is_promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        assert (tensor[:2] == 5).all()
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.parametrize("use_o_direct", [True, False])
+def test_a_block_is_read_without_o_nonblock(tmp_path, monkeypatch, use_o_direct):
+    """Python I/O: a block file is opened O_NONBLOCK (a FIFO there must not
+    block the open) but read with it cleared, as the C path does: Lustre
+    fails a read that another node's lock holds with EAGAIN under it."""
+    import fcntl
+
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    if use_o_direct and not io_mod.probe_o_direct(str(tmp_path)):
+        pytest.skip("no O_DIRECT support here")
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    size, path = mmap.PAGESIZE, str(tmp_path / "block")
+    with open(path, "wb") as f:
+        f.write(b"\x07" * size)
+    region, flags = mmap.mmap(-1, size), []
+    real_readv = os.readv
+
+    def readv(fd, buffers):
+        flags.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", readv)
+    io_mod.batch_load_block([path], memoryview(region), [0], size, use_o_direct)
+    assert region[:] == b"\x07" * size
+    (read_flags,) = flags
+    assert not read_flags & os.O_NONBLOCK
+    assert bool(read_flags & io_mod.O_DIRECT) is use_o_direct
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO", "EINVAL"])

@@ -218,10 +218,12 @@ def probe_o_direct(directory: str) -> bool:
     a container ``/tmp``, older tmpfs, or some NFS mounts), where opening or
     writing a file with it fails with ``EINVAL``. Probe once with an aligned
     single-page write, and a read of it with ``O_DIRECT`` set by ``fcntl()``
-    as loads set it, so callers can fall back to buffered I/O instead of
-    failing on every block. A failure that says nothing about ``O_DIRECT``
-    support (TRANSIENT_ERRNOS, e.g. a full disk) raises its ``OSError``, so
-    that the caller can probe again later.
+    as loads set it (a filesystem may refuse it there, or at the read only,
+    as an overlayfs over one without it), so callers can fall back to
+    buffered I/O instead of failing on every block. A failure that says
+    nothing about ``O_DIRECT`` support (TRANSIENT_ERRNOS, e.g. a full disk,
+    or the probe's file replaced meanwhile) raises its ``OSError``, so that
+    the caller can probe again later.
     """
     if not O_DIRECT:
         return False
@@ -233,15 +235,18 @@ def probe_o_direct(directory: str) -> bool:
         fd = os.open(path, flags, 0o600)
         try:
             os.write(fd, page)
+            written = os.fstat(fd)
         finally:
             os.close(fd)
         fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-            os.readv(fd, [page])
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (written.st_dev, written.st_ino):
+                raise OSError(errno.EAGAIN, "The probe's file was replaced", path)
+            fcntl.fcntl(fd, fcntl.F_SETFL, O_DIRECT)
+            return os.readv(fd, [page]) == mmap.PAGESIZE
         finally:
             os.close(fd)
-        return True
     except OSError as e:
         if e.errno in TRANSIENT_ERRNOS:
             raise
@@ -431,10 +436,10 @@ def _load_block(
     o_direct = O_DIRECT if use_o_direct else 0
 
     try:
-        # O_NONBLOCK: a FIFO at the path does not block until a writer comes
-        # (reads of regular files ignore it on Linux); O_DIRECT is set once
-        # the file is known to be a regular one: open(O_DIRECT) refuses a FIFO
-        # (EINVAL), fcntl() would not
+        # O_NONBLOCK: a FIFO at the path does not block until a writer comes.
+        # Once the file is known to be a regular one, O_NONBLOCK goes (Lustre
+        # fails a read another node's lock holds with EAGAIN under it) and
+        # O_DIRECT is set where asked: open(O_DIRECT) refuses a FIFO (EINVAL)
         fd = os.open(source_path, os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -446,8 +451,7 @@ def _load_block(
                 f"Block file has {st.st_size} bytes, expected {block_size}",
                 source_path,
             )
-        if o_direct:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | o_direct)
+        fcntl.fcntl(fd, fcntl.F_SETFL, o_direct)  # its only status flags
         bytes_read = os.readv(fd, [view_slice])
         if bytes_read < block_size:
             _remove_if_same_file(source_path, st)

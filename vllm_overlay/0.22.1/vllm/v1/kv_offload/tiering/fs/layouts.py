@@ -12,6 +12,7 @@ engine running on it.
 """
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -107,6 +108,7 @@ def _read_fields(root_dir: str, name: str) -> dict | None:
         with open(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
+            fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # a regular file: reads block
             fields = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
