@@ -759,8 +759,8 @@ def test_a_block_stored_anew_during_its_load_is_left_alone(
 
 def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
     """Engines sharing a root and a key file share blocks across a restart;
-    an engine with another key (another namespace) neither finds them nor
-    loads them, and a keyed store never reuses unkeyed files."""
+    an engine with another key, or none, finds none of them: keyed files
+    live in a directory of their own."""
     from vllm.v1.kv_offload.base import get_offload_block_hash
 
     root = tmp_path / "kv"
@@ -774,6 +774,7 @@ def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_pat
         writer.submit_store(job(1, keys, [0, 1]))
         assert finish(writer) == [True]
         names = [writer.file_mapper.get_file_name(k) for k in keys]
+        keyed_base = writer.file_mapper.base_path
     finally:
         writer.shutdown()
     for k, name in zip(keys, names):
@@ -793,6 +794,8 @@ def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_pat
         stranger = make_tier(root, kv, **config)
         try:
             assert [lookup(stranger, k) for k in keys] == [LookupResult.MISS] * 2
+            if not config:  # another key shares the directory, not the names
+                assert stranger.file_mapper.base_path != keyed_base
         finally:
             stranger.shutdown()
 
@@ -876,6 +879,16 @@ def test_a_key_file_readable_by_a_stranger_group_is_refused(tmp_path):
     message = _refused(tmp_path / "kv", key_file=path, group_access=True)
     assert f"is accessible by its group {gid}, which the engine's user" in message
     assert f"Fix: chgrp {os.getegid()} {path}, or chmod 600 {path}" in message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_key_file_owned_by_another_user_is_refused(tmp_path):
+    """A key file another user owns (who could rewrite it) is refused."""
+    path = key_file(tmp_path / "key")
+    os.chown(path, 54321, -1)
+    message = _refused(tmp_path / "kv", key_file=path)
+    assert "is owned by another user" in message
+    assert f"chown it to uid {os.geteuid()}" in message
 
 
 def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
