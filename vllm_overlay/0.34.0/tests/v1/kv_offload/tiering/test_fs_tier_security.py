@@ -757,6 +757,31 @@ def test_a_block_stored_anew_during_its_load_is_left_alone(
         tier.shutdown()
 
 
+def test_keyed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
+    """With fs_io_C, keyed stores and loads run in C (the MAC set on the temp
+    file, read back from the fd the block was read from), as unkeyed ones
+    do: the Python per-block store and load are never called."""
+    if not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+
+    def python_path(*args, **kwargs):
+        raise AssertionError("a keyed block took the Python I/O path")
+
+    monkeypatch.setattr(io_mod, "_store_block", python_path)
+    monkeypatch.setattr(io_mod, "_load_block", python_path)
+    kv = rows(4)
+    kv[0] = 5
+    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert finish(tier) == [True]
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        assert finish(tier) == [True]
+        assert (kv[1] == 5).all()
+    finally:
+        tier.shutdown()
+
+
 def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
     """Engines sharing a root and a key file share blocks across a restart;
     an engine with another key, or none, finds none of them: keyed files
