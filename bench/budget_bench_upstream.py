@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The 0.34.0 fs tier's byte budget (max_bytes): its scheduler-thread cost beside the
-unbounded tier (the figure patches/0.34.0/pr-units.toml cites for patch 0021).
+unbounded tier (the figure patches/0.34.0/pr-units.toml cites for tier-disk-budget).
 
 Runs on the vLLM this interpreter imports (.venv-0.34.0, or PYTHONPATH of a work tree's site
 from scripts/worktree_site.py), both tiers in this one process, rounds interleaved (the order

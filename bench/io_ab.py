@@ -3,10 +3,10 @@
 one ("after") and one from a file ("before"), e.g. the code of the commit before a change.
 
 --before is a csrc/fs_io.cpp, compiled here with g++ and its batch store/load swapped in for
-the installed fs_io_C's (the figures patch 0025 of patches/0.34.0 cites); both tracks carry
-the same one since the fork's patch 0064. Before that patch, --before could be the fork's
-io.py, its per-block store_block/load_block swapped in (the figures patches 0036 and 0038 of
-patches/0.22.1 cite): that needs a checkout of that time.
+the installed fs_io_C's (the figures patches/0.34.0/measured/tier-store-lookups.md cites);
+both tracks carry the same one since the fork's patch 0064. Before that patch, --before could
+be the fork's io.py, its per-block store_block/load_block swapped in (the figures patches 0036
+and 0038 of patches/0.22.1 cite): that needs a checkout of that time.
 
 One tier (bench/disk_bench.py's Point: 16 I/O threads, O_DIRECT, the journal committed before
 each timed store, the pages dropped before each load), the version swapped in per round;

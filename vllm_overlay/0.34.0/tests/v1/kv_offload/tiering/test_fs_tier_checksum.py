@@ -168,6 +168,31 @@ def test_the_c_and_python_paths_agree_on_the_crc32c(
         tier.shutdown()
 
 
+def test_checksummed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
+    """With fs_io_C, stores and loads with checksum_blocks run in C (the
+    CRC32C computed with the GIL released), as unchecked ones do: the Python
+    per-block store and load are never called."""
+    if not io_mod._HAS_FSIO_C:
+        pytest.skip("fs_io_C extension not built")
+
+    def python_path(*args, **kwargs):
+        raise AssertionError("a checksummed block took the Python I/O path")
+
+    monkeypatch.setattr(io_mod, "_store_block", python_path)
+    monkeypatch.setattr(io_mod, "_load_block", python_path)
+    kv = rows(4)
+    kv[0] = 5
+    tier = make_tier(tmp_path / "kv", kv, checksum_blocks=True)
+    try:
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert finish(tier) == [True]
+        tier.submit_load(job(2, [key(1)], [1], load=True))
+        assert finish(tier) == [True]
+        assert (kv[1] == 5).all()
+    finally:
+        tier.shutdown()
+
+
 def test_blocks_stored_without_checksums_are_misses_then_stored_anew(tmp_path, io_path):
     """Turning checksum_blocks on for an existing cache: its blocks have no
     CRC32C, so they cannot be checked and are misses (removed) rather than
