@@ -92,7 +92,7 @@ def test_a_changed_block_or_one_without_a_crc_is_a_miss(tmp_path, caplog_vllm, i
     attribute is gone (a copy without xattrs), fails its load and is removed;
     the other block of the same load is kept. Both are counted: in the
     failure report and in the checksum failure metric. Without the option
-    (v0.33.0) the changed block loads as KV: the tier has no such option."""
+    (v0.34.0) the changed block loads as KV: the tier has no such option."""
     kv = rows(6)
     kv[0], kv[1], kv[2] = 1, 2, 3
     keys = [key(1), key(2), key(3)]
