@@ -43,6 +43,7 @@ from tests.v1.kv_offload.test_tiering_hma import (  # noqa: F401 (fixtures)
 )
 from tests.v1.kv_offload.tiering.test_fs_tier_security import (
     _failure_lines,
+    assert_blocks_take_the_compiled_io_path,
     finish,
     job,
     key,
@@ -172,25 +173,9 @@ def test_checksummed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
     """With fs_io_C, stores and loads with checksum_blocks run in C (the
     CRC32C computed with the GIL released), as unchecked ones do: the Python
     per-block store and load are never called."""
-    if not io_mod._HAS_FSIO_C:
-        pytest.skip("fs_io_C extension not built")
-
-    def python_path(*args, **kwargs):
-        raise AssertionError("a checksummed block took the Python I/O path")
-
-    monkeypatch.setattr(io_mod, "_store_block", python_path)
-    monkeypatch.setattr(io_mod, "_load_block", python_path)
-    kv = rows(4)
-    kv[0] = 5
-    tier = make_tier(tmp_path / "kv", kv, checksum_blocks=True)
-    try:
-        tier.submit_store(job(1, [key(1)], [0]))
-        assert finish(tier) == [True]
-        tier.submit_load(job(2, [key(1)], [1], load=True))
-        assert finish(tier) == [True]
-        assert (kv[1] == 5).all()
-    finally:
-        tier.shutdown()
+    assert_blocks_take_the_compiled_io_path(
+        tmp_path, monkeypatch, "checksummed", checksum_blocks=True
+    )
 
 
 def test_blocks_stored_without_checksums_are_misses_then_stored_anew(tmp_path, io_path):

@@ -757,21 +757,23 @@ def test_a_block_stored_anew_during_its_load_is_left_alone(
         tier.shutdown()
 
 
-def test_keyed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
-    """With fs_io_C, keyed stores and loads run in C (the MAC set on the temp
-    file, read back from the fd the block was read from), as unkeyed ones
-    do: the Python per-block store and load are never called."""
+def assert_blocks_take_the_compiled_io_path(
+    tmp_path, monkeypatch, what: str, **tier_config
+) -> None:
+    """A block stored and loaded by a tier of tier_config with fs_io_C: the
+    Python per-block store and load are never called (what: the blocks'
+    kind, for the failure)."""
     if not io_mod._HAS_FSIO_C:
         pytest.skip("fs_io_C extension not built")
 
     def python_path(*args, **kwargs):
-        raise AssertionError("a keyed block took the Python I/O path")
+        raise AssertionError(f"a {what} block took the Python I/O path")
 
     monkeypatch.setattr(io_mod, "_store_block", python_path)
     monkeypatch.setattr(io_mod, "_load_block", python_path)
     kv = rows(4)
     kv[0] = 5
-    tier = make_tier(tmp_path / "kv", kv, key_file=key_file(tmp_path / "key"))
+    tier = make_tier(tmp_path / "kv", kv, **tier_config)
     try:
         tier.submit_store(job(1, [key(1)], [0]))
         assert finish(tier) == [True]
@@ -780,6 +782,15 @@ def test_keyed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
         assert (kv[1] == 5).all()
     finally:
         tier.shutdown()
+
+
+def test_keyed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
+    """With fs_io_C, keyed stores and loads run in C (the MAC set on the temp
+    file, read back from the fd the block was read from), as unkeyed ones
+    do: the Python per-block store and load are never called."""
+    assert_blocks_take_the_compiled_io_path(
+        tmp_path, monkeypatch, "keyed", key_file=key_file(tmp_path / "key")
+    )
 
 
 def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
