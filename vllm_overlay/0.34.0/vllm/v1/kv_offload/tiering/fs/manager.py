@@ -523,9 +523,9 @@ class FileSystemTierManager(SecondaryTierManager):
         elif self._checksum and not has_compiled_io():
             logger.warning(
                 "'%s' KV offload tier: checksum_blocks without vLLM's compiled "
-                "fs_io_C extension computes each block's CRC32C in Python "
-                "(under 10 MB/s per I/O thread). Fix: build vLLM with it, or "
-                "set checksum_blocks to false.",
+                "fs_io_C extension computes each block's CRC32C in Python, "
+                "holding the GIL (under 10 MB/s for the whole process). Fix: "
+                "build vLLM with it, or set checksum_blocks to false.",
                 self.tier_type,
             )
         # blocks that failed their integrity check (checksum_blocks), reported
