@@ -8,7 +8,8 @@ For each unit of patches/<version>/pr-units.toml (all units, or those named):
      `git config --global user.name/user.email` or GIT_AUTHOR_NAME/GIT_AUTHOR_EMAIL), the
      fork-only notes (`Upstream status:`, when to drop the patch) taken out of the message;
   2. vLLM's own pre-commit hooks on the files the branch changes (scripts/pr_hooks.py);
-  3. the unit's tests on the pristine tag (before) and on the branch (after);
+  3. the unit's tests on the pristine tag (before) and on the branch (after); a unit on
+     base units also on their code alone (the tag + their patches: what its own fixes);
   4. build/pr/<version>/<unit>/PR.md in the structure of the tag's own
      .github/PULL_REQUEST_TEMPLATE.md (0.34.0: Overview, Claims, Validation with the
      before/after table and the commands, Details; the per-commit reasoning, the hooks and the
@@ -345,11 +346,10 @@ def check_branch_is_ours(repo: Path, branch: str, unit: str) -> str | None:
     return head
 
 
-def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> str:
-    """pr/<unit> = tag + the unit's patches, rewritten (author, sign-off, message)."""
-    name, email = ident
+def apply_patches(repo: Path, tag: str, unit: Unit, patches: list[Path]) -> None:
+    """HEAD = tag + patches (of unit), detached, as `git am` commits them."""
     git("checkout", "-q", "--detach", tag, cwd=repo)
-    for i, p in enumerate(unit.patches):
+    for i, p in enumerate(patches):
         r = subprocess.run(["git", *AM_ARGS, str(p)], cwd=repo, env=git_env(),
                            capture_output=True, text=True)
         if r.returncode == 0 and not (repo / ".git" / "rebase-apply").exists():
@@ -358,12 +358,18 @@ def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> st
         files = unmerged or conflicting_files(r.stdout + r.stderr) or ["(git named no file)"]
         git("am", "--abort", cwd=repo, check=False)
         git("checkout", "-q", "-f", "--detach", tag, cwd=repo)
-        before = ", ".join(q.name[:4] for q in unit.patches[:i]) or "none"
+        before = ", ".join(q.name[:4] for q in patches[:i]) or "none"
         raise UserError(
             f"unit {unit.name!r}: {rel(p)} does not apply on {tag} after the unit's earlier "
             f"patches ({before}); conflicting file(s): {', '.join(files)}. A unit is its "
             "patches on the pristine tag: add the patch it builds on to the unit (in order), "
             f"or merge the two units, in {rel(p.parent / UNITS_FILE)}")
+
+
+def build_branch(repo: Path, tag: str, unit: Unit, ident: tuple[str, str]) -> str:
+    """pr/<unit> = tag + the unit's patches, rewritten (author, sign-off, message)."""
+    name, email = ident
+    apply_patches(repo, tag, unit, unit.patches)
     parent = git("rev-parse", f"{tag}^{{commit}}", cwd=repo)
     for c in git("rev-list", "--reverse", f"{tag}..HEAD", cwd=repo).split():
         tree = git("rev-parse", f"{c}^{{tree}}", cwd=repo)
@@ -680,6 +686,20 @@ def checklist_state(item: str, tested: bool, hooks_ok: bool,
     return False, "for the author to confirm"
 
 
+def own_patches(unit: Unit, units: list[Unit]) -> list[Path]:
+    """The unit's patches that none of the units it carries has: its own change."""
+    theirs = {p for u in units if set(u.patches) < set(unit.patches) for p in u.patches}
+    return [p for p in unit.patches if p not in theirs]
+
+
+def base_code(repo: Path, tag: str, unit: Unit, own: list[Path]) -> str:
+    """What a stacked unit's own patches apply to: the tag + its base units' patches (a
+    detached commit, no branch). Its tests run there too: they should fail for what its own
+    change fixes, not only for what its bases add."""
+    apply_patches(repo, tag, unit, [p for p in unit.patches if p not in own])
+    return git("rev-parse", "HEAD", cwd=repo)
+
+
 def builds_on(unit: Unit, units: list[Unit]) -> tuple[list[str], int]:
     """The units whose patches this one carries first (the largest only: a unit a base
     already carries is not named again), and how many commits are this unit's own."""
@@ -738,10 +758,11 @@ def review_limits(unit: Unit, units: list[Unit]) -> tuple[int, list[str]]:
 def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, head: str,
                 msgs: list[tuple[str, str]], hooks: dict | None, before: dict | None,
                 after: dict | None, ident: tuple[str, str], template: Template | None = None,
-                builds_on: tuple[list[str], int] = ([], 0)) -> int:
+                builds_on: tuple[list[str], int] = ([], 0), on_base: dict | None = None) -> int:
     """PR.md in the structure of the tag's pull request template; returns its visible words.
     Overview, claims, the before/after evidence and the commands are shown; the reasoning of
-    each commit, the full table, the hooks and the exact commands are folded in <details>."""
+    each commit, the full table, the hooks and the exact commands are folded in <details>.
+    on_base: a stacked unit's tests on its base units' code (what its own commits fix)."""
     tpl = template or Template(DEFAULT_SECTIONS)
     tested = before is not None and after is not None
     hooks_ok = hooks is not None
@@ -763,6 +784,10 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
                      + (f"{own} commits." if own > 1 else "commit.")]
     claims = [f"- {c}" for c in unit.claims] or [f"- {s}" for s, _ in msgs]
     rows = result_rows(before, after) if tested else []
+    where = f"`pr/{bases[0]}`" if len(bases) == 1 else f"its {len(bases)} base units"
+    # a stacked unit's tests on its bases' code, by row: what its own commits fix
+    on_bases = ({r[0]: r[1] for r in result_rows(on_base, after)}
+                if tested and on_base is not None else None)
     failing = [r for r in rows if re.search(r"failed|error", r[1].split(":")[0])]
     result: list[str] = []
     if not unit.tests:
@@ -779,16 +804,33 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         result += [f"{cases}: {'it passes' if one else 'they pass'} on `{tag}` and with this "
                    f"change: {'it guards' if one else 'they guard'} existing behaviour." if guards else
                    f"{cases}: {n_fail} " + verb.format(tag) + f" with this change{others}.", ""]
+        if on_base is not None:
+            n_base = failing_before(on_base, after)
+            result += [f"On {where} alone, {n_base} fail" + (": this PR's own commits fix "
+                       "them." if n_base else ": they test what its bases add."), ""]
+
+        def cut(text: str, n: int) -> str:
+            return text[:n] + ("...`" if len(text) > n else "")
+
         shown = failing[:6]
-        if shown:
+        if shown and on_bases is None:
             result += [f"| test | `{tag}` | this PR |", "| --- | --- | --- |"]
-            result += [f"| {a} | {b[:90]}{'...`' if len(b) > 90 else ''} | {c} |"
+            result += [f"| {a} | {cut(b, 90)} | {c} |" for a, b, c in shown]
+            result += [""]
+        elif shown:
+            # the tag's column is in the fold: on the tag, a stacked unit's tests fail for
+            # what its bases add too
+            result += ["| test | its bases alone | this PR |", "| --- | --- | --- |"]
+            result += [f"| {a} | {cut(on_bases.get(a, 'not run'), 70)} | {c} |"
                        for a, b, c in shown]
             result += [""]
-        result += [] if len(shown) == len(rows) else fold(
+        base_col = on_bases is not None
+        result += [] if len(shown) == len(rows) and not base_col else fold(
             f"All {len(rows)} tests, before and after", [
-            f"| test | before ({tag}) | after ({branch}) |", "| --- | --- | --- |",
-            *[f"| {a} | {b} | {c} |" for a, b, c in rows]])
+            f"| test | before ({tag}) |" + (f" on {where} |" if base_col else "")
+            + f" after ({branch}) |", "| --- | --- |" + (" --- |" if base_col else "") + " --- |",
+            *[f"| {a} | {b} |" + (f" {on_bases.get(a, 'not run')} |" if on_bases else "")
+              + f" {c} |" for a, b, c in rows]])
     result += ["vLLM's pre-commit hooks: "
                + (f"{sum(h['status'] == 'Passed' for h in hooks['results'])} passed on the "
                   f"{len(hooks['files'])} changed file(s)." if hooks else "not run (`--no-hooks`)."),
@@ -807,6 +849,9 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
                   "touched files as the tag / the branch has them):",
                   f"# before: {before['seconds']} s, exit {before['rc']}", before["command"],
                   f"# after: {after['seconds']} s, exit {after['rc']}", after["command"]]
+        if on_base is not None:
+            exact += [f"# on {where} alone: {on_base['seconds']} s, exit {on_base['rc']}",
+                      on_base["command"]]
     plan += fold("The exact commands", ["```bash", *exact, "```"]) if unit.tests else []
     details = [f"{len(msgs)} commit(s); each message says why the change exists (folded "
                "below, one per commit).", ""]
@@ -965,10 +1010,10 @@ def main() -> None:
                         "then (--rerun runs them again)")
                 else:
                     hooks = pr_hooks.run(repo, files, out, branch)
-            before = after = None
+            before = after = on_base = None
             if unit.tests and not opts.no_tests:
-                if reuse and prev.get("before") and prev.get("after"):
-                    before, after = prev["before"], prev["after"]
+                if reuse and prev.get("before") and prev.get("after") and "on_base" in prev:
+                    before, after, on_base = prev["before"], prev["after"], prev["on_base"]
                     say("  tests: same branch, tests and venv as the last run; results "
                         "reused (--rerun runs them again)")
                 else:
@@ -988,14 +1033,21 @@ def main() -> None:
                     prepare_testroot(repo, branch, testroot)
                     before = run_tests("before", pristine_site, testroot, unit.tests, out)
                     after = run_tests("after", site, testroot, unit.tests, out)
+                    own = own_patches(unit, all_units)
+                    if len(own) < len(unit.patches):  # stacked: its tests on its bases too
+                        rev = base_code(repo, tag, unit, own)
+                        on_base = run_tests("on-base", build_site(out / "site-base", repo, rev,
+                                                                  touched),
+                                            testroot, unit.tests, out)
             res_file.write_text(json.dumps({"key": key, "head": head, "hooks": hooks,
-                                            "before": before, "after": after}, indent=1))
+                                            "before": before, "after": after,
+                                            "on_base": on_base}, indent=1))
             msgs = commit_messages(repo, tag, branch)
             if template is None:
                 template = read_template(repo, tag)
             bases, own = builds_on(unit, all_units)
             words = write_pr_md(out / "PR.md", unit, version, tag, branch, head, msgs, hooks,
-                                before, after, ident, template, (bases, own))
+                                before, after, ident, template, (bases, own), on_base)
             if words > VISIBLE_WORDS:
                 say(f"  warning: {rel(out / 'PR.md')} shows {words} words before any "
                     f"<details> (at most {VISIBLE_WORDS}: shorten the unit's overview/claims)")
@@ -1013,6 +1065,12 @@ def main() -> None:
                 if n_before == 0:
                     say(f"  warning: no test of unit {unit.name!r} fails on {tag}: the PR shows "
                         "no regression test")
+                if on_base is not None:
+                    n_base = failing_before(on_base, after)
+                    verdict += f", {n_base} failing on its bases alone"
+                    if n_base == 0:
+                        say(f"  warning: no test of unit {unit.name!r} fails on its base units' "
+                            "code: the PR shows no test of its own change")
             lines, why = review_limits(unit, all_units)
             if why:
                 over.append(f"{unit.name}: " + "; ".join(why))

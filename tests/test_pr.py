@@ -361,9 +361,41 @@ def test_pr_md_counts_tests_a_module_error_failed_before():
     assert ": 3 fail on `v0.34.0` and pass with this change; the others pass on both." in md
 
 
+def test_pr_md_of_a_stacked_unit_shows_its_tests_on_its_bases():
+    """A unit on a base unit runs its tests on the base's code too (the tag + the base's
+    patches): its PR.md says how many fail there, for what reason, beside the tag's."""
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
+    unit = kit.Unit("u", "[Core] Fix more", [], tests=["tests/test_a.py"], threads=[],
+                    overview="It was broken.", claims=["Fixed."])
+    cases = ["tests/test_a.py::test_a", "tests/test_a.py::test_b"]
+    before = {"cases": {"tests/test_a.py": ("error", "ImportError: no module named x")},
+              "seconds": 1, "rc": 1, "command": "pytest on the tag"}
+    on_base = {"cases": {cases[0]: ("failed", "AssertionError: 6 files over max_bytes"),
+                         cases[1]: ("passed", "")},
+               "seconds": 1, "rc": 1, "command": "pytest on the base"}
+    after = {"cases": {c: ("passed", "") for c in cases}, "seconds": 1, "rc": 0,
+             "command": "pytest after"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
+                        [("[Core] Fix more", "Why.")], None, before, after, ME, tpl,
+                        (["base"], 1), on_base)
+        md = path.read_text()
+    assert ": 2 fail on `v0.34.0` and pass with this change." in md
+    assert "On `pr/base` alone, 1 fail: this PR's own commits fix them." in md
+    assert "| `tests/test_a.py::test_a` | failed: `AssertionError: 6 files over max_bytes` |" in md
+    # the tag's column is folded, with all three
+    assert "| `tests/test_a.py::test_a` | error: `ImportError: no module named x` |" in md
+    assert "pytest on the base" in md
+
+
 def test_every_unit_of_the_upstream_track_fits_400_words():
     """Each unit of patches/0.34.0/pr-units.toml, with its real commit messages and a
-    before/after table of 40 tests, shows at most 400 words before any <details>."""
+    before/after table of 40 tests (and the column of its bases' code for a unit on base
+    units), shows at most 400 words before any <details>."""
     import tempfile
 
     units = kit.load_units("0.34.0")
@@ -384,9 +416,11 @@ def test_every_unit_of_the_upstream_track_fits_400_words():
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / unit.name / "PR.md"
             path.parent.mkdir()
+            bases = kit.builds_on(unit, units)
+            # a unit on base units shows its tests on their code too
             words = kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", f"pr/{unit.name}",
-                                    "0" * 40, msgs, None, before, after, ME, tpl,
-                                    kit.builds_on(unit, units))
+                                    "0" * 40, msgs, None, before, after, ME, tpl, bases,
+                                    before if bases[0] else None)
         assert words <= kit.VISIBLE_WORDS, (unit.name, words)
 
 
