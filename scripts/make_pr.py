@@ -787,7 +787,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     where = f"`pr/{bases[0]}`" if len(bases) == 1 else f"its {len(bases)} base units"
     # a stacked unit's tests on its bases' code, by row: what its own commits fix
     on_bases = ({r[0]: r[1] for r in result_rows(on_base, after)}
-                if tested and on_base is not None else None)
+                if tested and on_base is not None and not guards else None)
     failing = [r for r in rows if re.search(r"failed|error", r[1].split(":")[0])]
     result: list[str] = []
     if not unit.tests:
@@ -804,7 +804,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
         result += [f"{cases}: {'it passes' if one else 'they pass'} on `{tag}` and with this "
                    f"change: {'it guards' if one else 'they guard'} existing behaviour." if guards else
                    f"{cases}: {n_fail} " + verb.format(tag) + f" with this change{others}.", ""]
-        if on_base is not None:
+        if on_base is not None and not guards:
             n_base = failing_before(on_base, after)
             result += [f"On {where} alone, {n_base} fail" + (": this PR's own commits fix "
                        "them." if n_base else ": they test what its bases add."), ""]
@@ -849,7 +849,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
                   "touched files as the tag / the branch has them):",
                   f"# before: {before['seconds']} s, exit {before['rc']}", before["command"],
                   f"# after: {after['seconds']} s, exit {after['rc']}", after["command"]]
-        if on_base is not None:
+        if on_bases is not None:
             exact += [f"# on {where} alone: {on_base['seconds']} s, exit {on_base['rc']}",
                       on_base["command"]]
     plan += fold("The exact commands", ["```bash", *exact, "```"]) if unit.tests else []
@@ -1068,7 +1068,7 @@ def main() -> None:
                 if on_base is not None:
                     n_base = failing_before(on_base, after)
                     verdict += f", {n_base} failing on its bases alone"
-                    if n_base == 0:
+                    if n_base == 0 and n_before:
                         say(f"  warning: no test of unit {unit.name!r} fails on its base units' "
                             "code: the PR shows no test of its own change")
             lines, why = review_limits(unit, all_units)

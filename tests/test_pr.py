@@ -329,7 +329,8 @@ def test_pr_md_of_tests_that_pass_before_says_they_guard():
         path = Path(tmp) / "u" / "PR.md"
         path.parent.mkdir()
         kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
-                        [("[Core] Test it", "Why.")], None, run, run, ME, tpl)
+                        [("[Core] Test it", "Why.")], None, run, run, ME, tpl,
+                        (["base"], 1), run)  # on a base unit: it guards there too
         md = path.read_text()
     assert "it passes on `v0.34.0` and with this change: it guards existing" in md
     assert "# passes on v0.34.0 and on this branch" in md
