@@ -9,7 +9,8 @@ For each unit of patches/<version>/pr-units.toml (all units, or those named):
      fork-only notes (`Upstream status:`, when to drop the patch) taken out of the message;
   2. vLLM's own pre-commit hooks on the files the branch changes (scripts/pr_hooks.py);
   3. the unit's tests on the pristine tag (before) and on the branch (after); a unit on
-     base units also on their code alone (the tag + their patches: what its own fixes);
+     base units also on their code alone (the tag + their patches: what its own commits
+     fix);
   4. build/pr/<version>/<unit>/PR.md in the structure of the tag's own
      .github/PULL_REQUEST_TEMPLATE.md (0.34.0: Overview, Claims, Validation with the
      before/after table and the commands, Details; the per-commit reasoning, the hooks and the
@@ -694,10 +695,21 @@ def own_patches(unit: Unit, units: list[Unit]) -> list[Path]:
 
 def base_code(repo: Path, tag: str, unit: Unit, own: list[Path]) -> str:
     """What a stacked unit's own patches apply to: the tag + its base units' patches (a
-    detached commit, no branch). Its tests run there too: they should fail for what its own
-    change fixes, not only for what its bases add."""
-    apply_patches(repo, tag, unit, [p for p in unit.patches if p not in own])
-    return git("rev-parse", "HEAD", cwd=repo)
+    commit on no branch; HEAD goes back to pr/<unit>). Its tests run there too: they should
+    fail for what its own commits fix, not only for what its bases add."""
+    theirs = [p for p in unit.patches if p not in own]
+    try:
+        apply_patches(repo, tag, unit, theirs)
+    except UserError:
+        raise UserError(
+            f"unit {unit.name!r}: its bases' patches ({', '.join(p.name[:4] for p in theirs)}) "
+            f"do not apply on {tag} without its own ({', '.join(p.name[:4] for p in own)}): "
+            "in pr-units.toml, its own patches must come after every base patch they "
+            "need") from None
+    try:
+        return git("rev-parse", "HEAD", cwd=repo)
+    finally:
+        git("checkout", "-q", f"pr/{unit.name}", cwd=repo)
 
 
 def builds_on(unit: Unit, units: list[Unit]) -> tuple[list[str], int]:
@@ -755,6 +767,11 @@ def review_limits(unit: Unit, units: list[Unit]) -> tuple[int, list[str]]:
     return lines, why
 
 
+def failed(cell: str) -> bool:
+    """Whether a result cell of result_rows() ("2 failed: `why`") counts a failure."""
+    return bool(re.search(r"failed|error", cell.split(":")[0]))
+
+
 def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, head: str,
                 msgs: list[tuple[str, str]], hooks: dict | None, before: dict | None,
                 after: dict | None, ident: tuple[str, str], template: Template | None = None,
@@ -768,7 +785,8 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     hooks_ok = hooks is not None
     tests = " ".join(unit.tests)
     # tests that pass on the tag too: the unit guards existing behaviour (tests only)
-    guards = tested and not any(v[0] in ("failed", "error") for v in before["cases"].values())
+    guards = tested and not any(v[0] in ("failed", "error") for run in (before, on_base or before)
+                                for v in run["cases"].values())
     refs = sorted(set(re.findall(r"#\d+", " ".join(unit.threads))), key=lambda r: int(r[1:]))
     # --- what each role says
     overview = [unit.overview or first_sentence(unit.problem)
@@ -788,7 +806,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
     # a stacked unit's tests on its bases' code, by row: what its own commits fix
     on_bases = ({r[0]: r[1] for r in result_rows(on_base, after)}
                 if tested and on_base is not None and not guards else None)
-    failing = [r for r in rows if re.search(r"failed|error", r[1].split(":")[0])]
+    failing = [r for r in rows if failed(r[1])]
     result: list[str] = []
     if not unit.tests:
         result += ["This unit names no tests.", ""]
@@ -806,12 +824,16 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
                    f"{cases}: {n_fail} " + verb.format(tag) + f" with this change{others}.", ""]
         if on_base is not None and not guards:
             n_base = failing_before(on_base, after)
-            result += [f"On {where} alone, {n_base} fail" + (": this PR's own commits fix "
-                       "them." if n_base else ": they test what its bases add."), ""]
+            result += [f"On {where} alone, {n_base} " + ("fails: this PR's own commits fix it."
+                       if n_base == 1 else "fail: this PR's own commits fix them." if n_base
+                       else "fail: they test what its bases add."), ""]
 
         def cut(text: str, n: int) -> str:
             return text[:n] + ("...`" if len(text) > n else "")
 
+        if on_bases is not None:  # what its own commits fix first
+            fixed = [r for r in rows if failed(on_bases.get(r[0], ""))]
+            failing = fixed + [r for r in failing if r not in fixed]
         shown = failing[:6]
         if shown and on_bases is None:
             result += [f"| test | `{tag}` | this PR |", "| --- | --- | --- |"]
@@ -829,7 +851,7 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
             f"All {len(rows)} tests, before and after", [
             f"| test | before ({tag}) |" + (f" on {where} |" if base_col else "")
             + f" after ({branch}) |", "| --- | --- |" + (" --- |" if base_col else "") + " --- |",
-            *[f"| {a} | {b} |" + (f" {on_bases.get(a, 'not run')} |" if on_bases else "")
+            *[f"| {a} | {b} |" + (f" {on_bases.get(a, 'not run')} |" if base_col else "")
               + f" {c} |" for a, b, c in rows]])
     result += ["vLLM's pre-commit hooks: "
                + (f"{sum(h['status'] == 'Passed' for h in hooks['results'])} passed on the "
@@ -925,12 +947,14 @@ def write_pr_md(path: Path, unit: Unit, version: str, tag: str, branch: str, hea
 
 
 # ----------------------------------------------------------------------------- main
-def results_key(head: str, unit: Unit, hooks_cfg: str) -> str:
+def results_key(head: str, unit: Unit, hooks_cfg: str, own: list[Path]) -> str:
+    """What the last run's results depend on; own: the unit's own patches (the others are
+    its bases', whose code its tests also ran on)."""
     import hashlib
 
     stamp = VENV / "hma-wheel.json"
     h = hashlib.sha256()
-    for part in (head, "\0".join(unit.tests), hooks_cfg,
+    for part in (head, "\0".join(unit.tests), hooks_cfg, "\0".join(p.name for p in own),
                  stamp.read_text() if stamp.exists() else str(VENV)):
         h.update(part.encode() + b"\1")
     return h.hexdigest()
@@ -1000,7 +1024,8 @@ def main() -> None:
                 import pr_hooks
 
                 hooks_cfg = pr_hooks.config_digest(repo)
-            key = results_key(head, unit, hooks_cfg)
+            own = own_patches(unit, all_units)
+            key = results_key(head, unit, hooks_cfg, own)
             reuse = prev.get("key") == key and not opts.rerun
             if not opts.no_hooks:
                 if reuse and prev.get("hooks"):
@@ -1033,21 +1058,25 @@ def main() -> None:
                     prepare_testroot(repo, branch, testroot)
                     before = run_tests("before", pristine_site, testroot, unit.tests, out)
                     after = run_tests("after", site, testroot, unit.tests, out)
-                    own = own_patches(unit, all_units)
                     if len(own) < len(unit.patches):  # stacked: its tests on its bases too
                         rev = base_code(repo, tag, unit, own)
                         on_base = run_tests("on-base", build_site(out / "site-base", repo, rev,
                                                                   touched),
                                             testroot, unit.tests, out)
+                        if on_base["rc"] not in (0, 1) and not on_base["cases"]:
+                            raise UserError(
+                                f"unit {unit.name!r}: its tests did not run on its bases' "
+                                f"code (exit {on_base['rc']}; "
+                                f"{rel(out / 'tests-on-base.log')})")
             res_file.write_text(json.dumps({"key": key, "head": head, "hooks": hooks,
                                             "before": before, "after": after,
                                             "on_base": on_base}, indent=1))
             msgs = commit_messages(repo, tag, branch)
             if template is None:
                 template = read_template(repo, tag)
-            bases, own = builds_on(unit, all_units)
             words = write_pr_md(out / "PR.md", unit, version, tag, branch, head, msgs, hooks,
-                                before, after, ident, template, (bases, own), on_base)
+                                before, after, ident, template, builds_on(unit, all_units),
+                                on_base)
             if words > VISIBLE_WORDS:
                 say(f"  warning: {rel(out / 'PR.md')} shows {words} words before any "
                     f"<details> (at most {VISIBLE_WORDS}: shorten the unit's overview/claims)")

@@ -386,11 +386,44 @@ def test_pr_md_of_a_stacked_unit_shows_its_tests_on_its_bases():
                         (["base"], 1), on_base)
         md = path.read_text()
     assert ": 2 fail on `v0.34.0` and pass with this change." in md
-    assert "On `pr/base` alone, 1 fail: this PR's own commits fix them." in md
+    assert "On `pr/base` alone, 1 fails: this PR's own commits fix it." in md
+    assert "| test | its bases alone | this PR |" in md
     assert "| `tests/test_a.py::test_a` | failed: `AssertionError: 6 files over max_bytes` |" in md
     # the tag's column is folded, with all three
-    assert "| `tests/test_a.py::test_a` | error: `ImportError: no module named x` |" in md
+    assert "| test | before (v0.34.0) | on `pr/base` | after (pr/u) |" in md
+    assert ("| `tests/test_a.py::test_b` | error: `ImportError: no module named x` | passed "
+            "| passed |") in md
     assert "pytest on the base" in md
+
+
+def test_pr_md_of_a_stacked_unit_shows_first_what_fails_on_its_bases():
+    """With more failing tests than the table shows, the rows that fail on the bases (what
+    the unit's own commits fix) come first; a test that passes on the tag but fails on the
+    bases is no test of existing behaviour."""
+    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
+    unit = kit.Unit("u", "[Core] Fix more", [], tests=["tests/test_a.py"], threads=[],
+                    overview="It was broken.", claims=["Fixed."])
+    cases = [f"tests/test_a.py::test_{i}" for i in range(10)]
+    before = {"cases": {c: ("failed", "ImportError") for c in cases[:9]}
+              | {cases[9]: ("passed", "")}, "seconds": 1, "rc": 1, "command": "pytest"}
+    on_base = {"cases": {c: ("passed", "") for c in cases[:9]}
+               | {cases[9]: ("failed", "AssertionError: own")},
+               "seconds": 1, "rc": 1, "command": "pytest"}
+    after = {"cases": {c: ("passed", "") for c in cases}, "seconds": 1, "rc": 0,
+             "command": "pytest"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "u" / "PR.md"
+        path.parent.mkdir()
+        kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
+                        [("[Core] Fix more", "Why.")], None, before, after, ME, tpl,
+                        (["base"], 1), on_base)
+        md = path.read_text()
+    visible = md.split("<details>")[0]
+    assert "| `tests/test_a.py::test_9` | failed: `AssertionError: own` | passed |" in visible
+    assert "On `pr/base` alone, 1 fails" in visible
+    assert "guard" not in visible
 
 
 def test_every_unit_of_the_upstream_track_fits_400_words():
@@ -485,6 +518,21 @@ def test_a_fix_whose_code_stands_alone_gets_its_own_branch(track):
     assert "def test_two()" in test_file and "def test_one()" not in test_file
     assert git(pr_repo, "diff", "--name-only", "v0.22.1", "pr/two").split() == [
         "tests/test_x.py", "vllm/two.py"]
+
+
+def test_a_stacked_units_base_code_is_its_bases_patches_and_head_goes_back(track):
+    """base_code(): the tag + the patches of a unit that are not its own, on no branch; HEAD
+    is back on pr/<unit> afterwards, where a later step or run expects it."""
+    r = make_pr(track, "--no-hooks", "--no-tests", "x-and-y")
+    assert r.returncode == 0, r.stderr
+    repo = track / "build" / "pr" / V / "repo"
+    series = sorted((track / "patches" / V).glob("0*.patch"))
+    unit = kit.Unit("x-and-y", "[KV Offloading] Make X two and add Y", series[:2])
+    rev = kit.base_code(repo, "v0.22.1", unit, series[1:2])
+    assert git(repo, "show", f"{rev}:vllm/a.py") == "X = 2"
+    assert git(repo, "ls-tree", "--name-only", rev, "vllm/").split() == [
+        "vllm/__init__.py", "vllm/a.py"]
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "pr/x-and-y"
 
 
 def test_failing_hook_stops_the_kit_and_names_hook_and_file(track):
