@@ -362,29 +362,37 @@ def test_pr_md_counts_tests_a_module_error_failed_before():
     assert ": 3 fail on `v0.34.0` and pass with this change; the others pass on both." in md
 
 
-def test_pr_md_of_a_stacked_unit_shows_its_tests_on_its_bases():
-    """A unit on a base unit runs its tests on the base's code too (the tag + the base's
-    patches): its PR.md says how many fail there, for what reason, beside the tag's."""
+def stacked_pr_md(before: dict, on_base: dict, after: dict) -> str:
+    """PR.md of a unit "u" on one base unit, "base", from these test runs."""
+    import tempfile
+
     tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
     unit = kit.Unit("u", "[Core] Fix more", [], tests=["tests/test_a.py"], threads=[],
                     overview="It was broken.", claims=["Fixed."])
-    cases = ["tests/test_a.py::test_a", "tests/test_a.py::test_b"]
-    before = {"cases": {"tests/test_a.py": ("error", "ImportError: no module named x")},
-              "seconds": 1, "rc": 1, "command": "pytest on the tag"}
-    on_base = {"cases": {cases[0]: ("failed", "AssertionError: 6 files over max_bytes"),
-                         cases[1]: ("passed", "")},
-               "seconds": 1, "rc": 1, "command": "pytest on the base"}
-    after = {"cases": {c: ("passed", "") for c in cases}, "seconds": 1, "rc": 0,
-             "command": "pytest after"}
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "u" / "PR.md"
         path.parent.mkdir()
         kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
                         [("[Core] Fix more", "Why.")], None, before, after, ME, tpl,
                         (["base"], 1), on_base)
-        md = path.read_text()
+        return path.read_text()
+
+
+def run_of(cases: dict, command: str = "pytest") -> dict:
+    return {"cases": cases, "seconds": 1, "command": command,
+            "rc": int(any(v[0] in ("failed", "error") for v in cases.values()))}
+
+
+def test_pr_md_of_a_stacked_unit_shows_its_tests_on_its_bases():
+    """A unit on a base unit runs its tests on the base's code too (the tag + the base's
+    patches): its PR.md says how many fail there, for what reason, beside the tag's."""
+    cases = ["tests/test_a.py::test_a", "tests/test_a.py::test_b"]
+    md = stacked_pr_md(
+        run_of({"tests/test_a.py": ("error", "ImportError: no module named x")},
+               "pytest on the tag"),
+        run_of({cases[0]: ("failed", "AssertionError: 6 files over max_bytes"),
+                cases[1]: ("passed", "")}, "pytest on the base"),
+        run_of({c: ("passed", "") for c in cases}, "pytest after"))
     assert ": 2 fail on `v0.34.0` and pass with this change." in md
     assert "On `pr/base` alone, 1 fails: this PR's own commits fix it." in md
     assert "| test | its bases alone | this PR |" in md
@@ -400,26 +408,12 @@ def test_pr_md_of_a_stacked_unit_shows_first_what_fails_on_its_bases():
     """With more failing tests than the table shows, the rows that fail on the bases (what
     the unit's own commits fix) come first; a test that passes on the tag but fails on the
     bases is no test of existing behaviour."""
-    tpl = kit.parse_template(TEMPLATE_UPSTREAM, "0.34.0's")
-    unit = kit.Unit("u", "[Core] Fix more", [], tests=["tests/test_a.py"], threads=[],
-                    overview="It was broken.", claims=["Fixed."])
     cases = [f"tests/test_a.py::test_{i}" for i in range(10)]
-    before = {"cases": {c: ("failed", "ImportError") for c in cases[:9]}
-              | {cases[9]: ("passed", "")}, "seconds": 1, "rc": 1, "command": "pytest"}
-    on_base = {"cases": {c: ("passed", "") for c in cases[:9]}
-               | {cases[9]: ("failed", "AssertionError: own")},
-               "seconds": 1, "rc": 1, "command": "pytest"}
-    after = {"cases": {c: ("passed", "") for c in cases}, "seconds": 1, "rc": 0,
-             "command": "pytest"}
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "u" / "PR.md"
-        path.parent.mkdir()
-        kit.write_pr_md(path, unit, "0.34.0", "v0.34.0", "pr/u", "0" * 40,
-                        [("[Core] Fix more", "Why.")], None, before, after, ME, tpl,
-                        (["base"], 1), on_base)
-        md = path.read_text()
+    md = stacked_pr_md(
+        run_of({c: ("failed", "ImportError") for c in cases[:9]} | {cases[9]: ("passed", "")}),
+        run_of({c: ("passed", "") for c in cases[:9]}
+               | {cases[9]: ("failed", "AssertionError: own")}),
+        run_of({c: ("passed", "") for c in cases}))
     visible = md.split("<details>")[0]
     assert "| `tests/test_a.py::test_9` | failed: `AssertionError: own` | passed |" in visible
     assert "On `pr/base` alone, 1 fails" in visible
