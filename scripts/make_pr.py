@@ -717,8 +717,7 @@ def builds_on(unit: Unit, units: list[Unit]) -> tuple[list[str], int]:
     already carries is not named again), and how many commits are this unit's own."""
     subs = [u for u in units if set(u.patches) < set(unit.patches)]
     bases = [u for u in subs if not any(set(u.patches) < set(v.patches) for v in subs)]
-    theirs = {p for u in bases for p in u.patches}
-    return [u.name for u in bases], len(set(unit.patches) - theirs)
+    return [u.name for u in bases], len(own_patches(unit, units))
 
 
 # What a reviewer can take in one PR: a unit's own patches change at most UNIT_LINES_MAX
