@@ -423,7 +423,7 @@ def test_no_kept_file_is_unreachable_with_sliding_window_groups(
     layout,
 ):
     """A shared-prefix workload with revisits over a budget of 16 chunks
-    (issue 19's measurement): 32 prompts of 4 shared heads and 4 chunks of
+    32 prompts of 4 shared heads and 4 chunks of
     their own, then 64 revisits, each looked up through the connector
     scheduler (promoting its disk hit) and then offloaded. Heads and tails
     leave the disk while the CPU tier still holds chunks before them, so
@@ -1363,6 +1363,37 @@ def test_a_store_builds_on_an_earlier_runs_file(tmp_path):
         budget.shutdown()
 
 
+def test_a_store_never_builds_on_a_chunk_being_removed(tmp_path):
+    """A store evicts a prompt's head; before its task removes the head's
+    file, a store of the same prompt's next chunk is admitted: the head is
+    being removed, so the next chunk is past a gap (not written), and the
+    head is not indexed again (no counted file without a file on disk)."""
+    budget, path_of = _budget_on(str(tmp_path), 2)
+    head, after = (make_offload_key(bytes([i]) * 32, 0) for i in (1, 2))
+    others = [make_offload_key(bytes([i]) * 32, 0) for i in (3, 4)]
+    try:
+        job = budget.admit_store([head], "old", {head: 16})
+        budget.admitted(job)
+        _write_files(path_of, [head])
+        budget.finish_job(job, [])
+        time.sleep(0.001)  # "new" is first seen later: its chunks are newer
+        for k in others:
+            job = budget.admit_store([k], "new", {others[0]: 16, others[1]: 32})
+            _, _, evicted = budget.admitted(job)
+            _write_files(path_of, [k])
+            budget.finish_job(job, [])
+        assert [victim[0] for victim in evicted] == [head[:-4]]
+        assert os.path.exists(path_of(head))  # its task has not removed it yet
+        job = budget.admit_store([after], "old", {head: 16, after: 32})
+        rejected, unreachable, _ = budget.admitted(job)
+        assert unreachable == {after} and not rejected
+        assert budget.used == 2 * 4096
+        budget.finish_job(job, [])
+        budget.remove_evicted(evicted)
+    finally:
+        budget.shutdown()
+
+
 def test_a_chunk_lookup_found_is_not_evicted_by_a_store_before_it(tmp_path):
     """A store is submitted, then lookup() finds an old chunk and its load
     is submitted, then the store's task runs: the store must not evict the
@@ -1811,7 +1842,7 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
         for r in range(50):
             keys = [block_key(1000 * r + i) for i in range(4)]
             ctx = prompt_ctx(f"req{r}", keys)
-            # two store jobs: the second's first key links to the first's
+            # two store jobs: the second's first key follows the first's
             for j in (0, 2):
                 tier.submit_store(
                     TransferJob(
@@ -1895,7 +1926,7 @@ _BUDGET_THREAD = "vllm_kv_py_fs_budget"
 
 
 def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
-    """The budget's work (admission, eviction, pins, the orphan check) runs
+    """The budget's work (admission, eviction, pins, the gap check) runs
     off the scheduler thread: with the budget's lock held by another
     thread, lookup(), submit_store(), submit_load(), on_schedule_end(),
     get_finished_jobs() and on_request_finished() return at once; once the
@@ -1923,7 +1954,7 @@ def test_the_scheduler_thread_never_waits_on_the_budget(tmp_path):
 
         def scheduler_calls():
             assert tier.lookup(keys[0], _CTX) is LookupResult.HIT
-            # keys[2]'s predecessor (key 9) is indexed nowhere: an orphan
+            # keys[2]'s predecessor (key 9) is indexed nowhere: a gap
             ctx = prompt_ctx("req", [block_key(9), keys[2], keys[3]])
             tier.submit_store(TransferJob(5, keys[2:], np.arange(2, 4), False, ctx))
             tier.submit_load(make_job(6, [keys[0]], [6], is_promotion=True))

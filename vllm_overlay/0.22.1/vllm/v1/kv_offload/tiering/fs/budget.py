@@ -37,7 +37,8 @@ Threads and what they own:
       (a store's admission needs every event posted before it) and by the
       budget thread.
     - _lock guards the index and the counters; it is never held across a
-      filesystem call.
+      filesystem call but _has_file()'s look for a predecessor's file
+      before the start-up scan is done.
     - _removing_lock guards _removing, _gone_in_step and _hit_pins
       (lookup()'s pins),
       which the scheduler thread reads and writes on every hit: held for a
@@ -141,9 +142,9 @@ Ledger = tuple[int, int]
 
 class BudgetRejection(OSError):
     """A store job the budget refused keys of (no room: every indexed file
-    is in use by a transfer): the job fails, but the disk did not (reported
-    by the budget's rejection warning, not as a failed write), and the keys
-    it wrote are stored."""
+    older in the eviction order is in use by a transfer): the job fails, but
+    the disk did not (reported by the budget's rejection warning, not as a
+    failed write), and the keys it wrote are stored."""
 
 
 class Admission:
@@ -164,8 +165,9 @@ class Admission:
         self.pinned: list[bytes] = []
         # a store's files not on disk before it: chunk id -> group bitmask
         self.added: dict[bytes, int] = {}
-        # a store's: the keys that do not fit, the keys past a gap (not worth
-        # writing), the evicted chunks whose files its task removes first
+        # a store's: the keys that do not fit, the keys past a gap or of a
+        # chunk being removed (not written), the evicted chunks whose files
+        # its task removes first
         self.result: tuple[set[OffloadKey], set[OffloadKey], Evicted] | None = None
 
 
@@ -312,7 +314,7 @@ class FsTierBudget:
         self.used = 0
         self.unlinking = 0  # evicted ahead, files not removed yet
         self.evicted_files = self.rejected_files = self.rejected_jobs = 0
-        self.unreachable_files = 0  # not written: past a gap
+        self.unreachable_files = 0  # not written: past a gap, or being removed
         self.removal_errors = 0
         self._reported = (0, 0, 0)
         self._warned = (0, 0)
@@ -752,9 +754,9 @@ class FsTierBudget:
     def _has_file(self, req: _Request, key: OffloadKey, position: int) -> bool:
         """Whether the key has a file: indexed (lookup() indexes the files it
         finds), or, until the start-up scan is done, there (a filesystem
-        call, on an I/O thread, only until then). A file not indexed yet is
-        indexed now, at the request's order for it, so that its successors
-        never outlive it."""
+        call, on an I/O thread or the budget thread, under _lock, only until
+        then). A file not indexed yet is indexed now, at the request's order
+        for it, so that its successors never outlive it."""
         h, bit = self._cid(key[:-4]), _bit(key)
         chunk = self._chunks.get(h)
         if chunk is not None and chunk[1] & bit:
@@ -1152,9 +1154,10 @@ class FsTierBudget:
             "%s: %d block file(s) of %d store job(s) not written since the "
             "previous report (%d and %d since start): no room in "
             "max_bytes=%d (%d bytes indexed here, %d by other engines on the "
-            "root not listed yet, %d being removed) once every file not in "
-            "use by a transfer was evicted. The disk did not fail; the keys "
-            "are not offloaded. A larger max_bytes keeps them.",
+            "root not listed yet, %d being removed) once every file older in "
+            "the eviction order and not in use by a transfer was evicted. The "
+            "disk did not fail; the keys are not offloaded. A larger "
+            "max_bytes keeps them.",
             self._label,
             files - last_files,
             jobs - last_jobs,

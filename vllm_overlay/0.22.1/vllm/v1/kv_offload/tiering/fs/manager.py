@@ -835,8 +835,8 @@ class FileSystemTierManager(SecondaryTierManager):
             refusal = BudgetRejection(
                 errno.ENOSPC,
                 f"{len(rejected)} block(s) not stored: no room in "
-                f"max_bytes={self._max_bytes}, every indexed block file is in "
-                "use by a transfer",
+                f"max_bytes={self._max_bytes}, every indexed block file older "
+                "in the eviction order is in use by a transfer",
             )
             refusal.written = stored  # type: ignore[attr-defined]
             raise refusal

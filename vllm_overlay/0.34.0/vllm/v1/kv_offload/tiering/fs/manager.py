@@ -858,8 +858,8 @@ class FileSystemTierManager(SecondaryTierManager):
             refusal = BudgetRejection(
                 errno.ENOSPC,
                 f"{len(rejected)} block(s) not stored: no room in "
-                f"max_bytes={self._max_bytes}, every indexed block file is in "
-                "use by a transfer",
+                f"max_bytes={self._max_bytes}, every indexed block file older "
+                "in the eviction order is in use by a transfer",
             )
             refusal.written = stored  # type: ignore[attr-defined]
             raise refusal
@@ -1149,7 +1149,8 @@ class FileSystemTierManager(SecondaryTierManager):
             ),
             BUDGET_REJECTED_FILES: OffloadingCounterMetadata(
                 documentation="Block files the fs tier did not store: no room "
-                "in max_bytes (every indexed file in use by a transfer).",
+                "in max_bytes (every indexed file older in the eviction order "
+                "in use by a transfer).",
                 labelnames=("tier_type",),
             ),
         }
