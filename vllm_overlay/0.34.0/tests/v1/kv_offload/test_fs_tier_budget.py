@@ -93,12 +93,15 @@ def block_files(root_dir: str) -> set[str]:
 
 
 def disk_bytes(root_dir: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(d, f))
-        for d, _, files in os.walk(root_dir)
-        for f in files
-        if f.endswith((".bin", ".tmp"))
-    )
+    """The bytes of the block and temp files under root_dir; a file the
+    budget thread removes while it is read counts nothing."""
+    total = 0
+    for d, _, files in os.walk(root_dir):
+        for f in files:
+            if f.endswith((".bin", ".tmp")):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(d, f))
+    return total
 
 
 def stem(key: OffloadKey) -> str:
