@@ -11,6 +11,8 @@ keeps it from standing on one base. Test-file hunks are counted apart: make pr's
 driver applies a patch's appended tests without the earlier ones. Blame sees lines, not
 imports or behaviour: make pr's before/after runs check those. A unit over the review limits needs each of
 those lines moved, or the patch split, before it can stand on one base (issue 33).
+Each unit's last line follows its code hunks (docs-table rows and tests left out) down to
+the tag: how deep a stack of units that code needs, and how many lines it rests on.
 
 Usage: patch_deps.py [UNIT ...]   (VLLM_VERSION selects the track)
 """
@@ -101,6 +103,31 @@ def is_test(where: str) -> bool:
     return "/test_" in where.split(" ", 1)[1]
 
 
+def is_docs(where: str) -> bool:
+    """Whether a dependency ("<patch> <path>") is a docs-table row: one can move."""
+    return where.split(" ", 1)[1].startswith("docs/")
+
+
+def code_stacks(needs: dict[str, set[str]]) -> dict[str, tuple[int, set[str]]]:
+    """Per unit, from the units its own code hunks build on: how deep the stack under it
+    goes (1: the tag alone) and every unit that stack holds."""
+    out: dict[str, tuple[int, set[str]]] = {}
+
+    def walk(name: str) -> tuple[int, set[str]]:
+        if name not in out:
+            out[name] = (1, set())  # a cycle (none in an ordered series) stops here
+            depth, under = 1, set()
+            for dep in needs.get(name, ()):
+                d, below = walk(dep)
+                depth, under = max(depth, d + 1), under | below | {dep}
+            out[name] = (depth, under)
+        return out[name]
+
+    for name in needs:
+        walk(name)
+    return out
+
+
 def main() -> None:
     version = vllm_version()
     tag = load_pin(version)["tag"]
@@ -122,8 +149,9 @@ def main() -> None:
             home[p] = u.name
     say(f"vLLM {version}: {len(patches)} patches, {len(units)} unit(s); a dependency is a "
         "hunk of a unit's own patch beside lines an earlier patch outside its base changed")
-    for u in units:
-        lines, why = review_limits(u, all_units)
+    report, code_needs, sizes = {}, {}, {}
+    for u in all_units:
+        sizes[u.name], why = review_limits(u, all_units)
         bases = builds_on(u, all_units)[0]
         base_patches = {p for b in all_units if b.name in bases for p in b.patches}
         own = [p for p in u.patches if p not in base_patches]
@@ -132,6 +160,13 @@ def main() -> None:
             for (j, path), n in deps[position[p]].items():
                 if patches[j] not in own:
                     needs[home.get(patches[j], "no unit")][f"{number[j]} {path}"] += n
+        code_needs[u.name] = {name for name, counts in needs.items() if name != "no unit"
+                              and any(not is_test(k) and not is_docs(k) for k in counts)}
+        report[u.name] = (own, bases, why, needs)
+    stacks = code_stacks(code_needs)
+    for u in units:
+        own, bases, why, needs = report[u.name]
+        lines = sizes[u.name]
         print(f"\n{u.name}: {lines} own lines in {', '.join(p.name[:4] for p in own)}"
               f"{' on ' + ', '.join(bases) if bases else ''}; "
               f"{'OVER the limits' if why else 'fits'}")
@@ -143,6 +178,10 @@ def main() -> None:
             detail = ", ".join(f"{k} ({n})" for k, n in sorted(code.items()))
             print(f"  on {name}: {sum(code.values())} code hunk(s)"
                   f"{': ' + detail if detail else ''}; {tests} test hunk(s)")
+        depth, under = stacks[u.name]
+        print(f"  its code: a stack of {depth} unit(s) down to the tag, on "
+              f"{sum(sizes[n] for n in under)} lines of {len(under)} unit(s)"
+              f"{' (the limits: a stack of 2, on at most 600 lines)' if depth > 2 else ''}")
 
 if __name__ == "__main__":
     run_main(main)
