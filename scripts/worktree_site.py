@@ -6,7 +6,8 @@ edits included, without reinstalling the venv: the fast loop while writing a pat
 
 The folder (build/worktree-site-<checkout name>) holds hard links to the track venv's
 installed vllm package (its compiled parts included), except the vllm/ files the work tree
-changes or adds against the pristine tag, which are copied from it, and the native modules
+changes or adds against the pristine tag, or the venv's series patches (vllm_overlay/): those
+are the work tree's, so a checkout of an earlier patch runs its own code, and the native modules
 whose source the tree has (csrc/fs_io.cpp), compiled from it (cached in build/native/). `make patches` is still
 what makes a change part of the series (and `make test` tests only that).
 
@@ -18,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _lib import BUILD, ROOT, VENV, UserError, checkout_dir, load_pin, run_main
+from _lib import BUILD, OVERLAY, ROOT, VENV, UserError, checkout_dir, load_pin, run_main
 from _series import changed_vllm_files, site_packages
 from make_wheel import place_native
 
@@ -32,7 +33,10 @@ def build(repo: Path) -> Path:
     out.mkdir(parents=True)
     shutil.copytree(site_packages() / "vllm", out / "vllm", copy_function=os.link,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    changed = changed_vllm_files(repo, pin["tag"])
+    # the venv holds the whole series: a file it patches that this tree has as the tag has it
+    # (or not at all) is the tree's too
+    patched = [str(f.relative_to(OVERLAY)) for f in (OVERLAY / "vllm").rglob("*") if f.is_file()]
+    changed = sorted(set(changed_vllm_files(repo, pin["tag"])) | set(patched))
     for path in changed:
         dest = out / path
         dest.unlink(missing_ok=True)  # a hard link into the venv: never write through it

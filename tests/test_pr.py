@@ -671,6 +671,7 @@ def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
     monkeypatch.setattr(worktree_site, "ROOT", tmp_path)
     monkeypatch.setattr(worktree_site, "load_pin", lambda: {"tag": "v1"})
     monkeypatch.setattr(worktree_site, "changed_vllm_files", lambda repo, tag: [])
+    monkeypatch.setattr(worktree_site, "OVERLAY", tmp_path / "overlay")
     monkeypatch.setattr(make_wheel, "compile_native_cached", lambda src, code: b"built from " + code)
     repo = tmp_path / "vllm"
     (repo / ".git").mkdir(parents=True)
@@ -681,6 +682,40 @@ def test_worktree_site_compiles_the_trees_native_source(tmp_path, monkeypatch):
     assert (venv_vllm / "fs_io_C.abi3.so").read_bytes() == b"the installed module"
     (repo / "csrc" / "fs_io.cpp").unlink()
     assert not (worktree_site.build(repo) / "vllm" / "fs_io_C.abi3.so").exists()
+
+
+def test_worktree_site_takes_the_trees_version_of_every_file_the_series_patches(
+        tmp_path, monkeypatch):
+    """A checkout of an earlier patch runs its own code: a file the venv's series patches is
+    the work tree's even where the tree has it as the tag has it (git sees no change there),
+    and a file the series adds that the tree has not yet is not in the site."""
+    import worktree_site
+
+    venv_vllm = tmp_path / "venv" / "vllm"
+    venv_vllm.mkdir(parents=True)
+    (venv_vllm / "base.py").write_text("the series' version")
+    (venv_vllm / "added.py").write_text("added by a later patch")
+    (venv_vllm / "other.py").write_text("the tag's")
+    overlay = tmp_path / "overlay" / "vllm"
+    overlay.mkdir(parents=True)
+    (overlay / "base.py").write_text("the series' version")
+    (overlay / "added.py").write_text("added by a later patch")
+    monkeypatch.setattr(worktree_site, "site_packages", lambda: tmp_path / "venv")
+    monkeypatch.setattr(worktree_site, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(worktree_site, "ROOT", tmp_path)
+    monkeypatch.setattr(worktree_site, "OVERLAY", tmp_path / "overlay")
+    monkeypatch.setattr(worktree_site, "load_pin", lambda: {"tag": "v1"})
+    monkeypatch.setattr(worktree_site, "changed_vllm_files", lambda repo, tag: [])
+    monkeypatch.setattr(worktree_site, "place_native", lambda out, read: None)
+    repo = tmp_path / "vllm"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "vllm").mkdir()
+    (repo / "vllm" / "base.py").write_text("the tag's")
+    site = worktree_site.build(repo) / "vllm"
+    assert (site / "base.py").read_text() == "the tag's"
+    assert not (site / "added.py").exists()
+    assert (site / "other.py").read_text() == "the tag's"
+    assert (venv_vllm / "base.py").read_text() == "the series' version"
 
 
 def test_a_units_validation_file_is_shown_in_validation():

@@ -707,6 +707,27 @@ def test_a_load_that_fails_leaving_its_file_keeps_it_counted(tmp_path, monkeypat
         tier.shutdown()
 
 
+def test_a_load_that_removed_a_bad_file_uncounts_it(tmp_path):
+    """A block file cut short on disk: its load fails, removes the file, and
+    the budget no longer counts it (the other file stays counted)."""
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=4 * page)
+    try:
+        a, b = block_key(1), block_key(2)
+        assert all(r.success for r in store_keys(tier, [a, b], 0, rows))
+        path = tier.file_mapper.get_file_name(a)
+        os.truncate(path, page // 2)
+        tier.submit_load(make_job(9, [a], [5], is_promotion=True))
+        (result,) = drain(tier)
+        assert not result.success
+        assert not os.path.exists(path)
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert applied(tier._budget).used == page
+    finally:
+        tier.shutdown()
+
+
 def test_a_store_that_fails_with_any_exception_counts_nothing(tmp_path, monkeypatch):
     """Whatever a store raises (an OSError, or another exception from a
     bug), the budget counts only the files that are there: jobs that wrote
