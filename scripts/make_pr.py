@@ -184,6 +184,23 @@ def load_units(version: str) -> list[Unit]:
     return units
 
 
+def load_glue(version: str) -> set[Path]:
+    """pr-units.toml's `glue`: patches in no unit that let a unit written on the tag sit in
+    the series beside another unit's lines (one sets those lines aside before it, one brings
+    them back after it, combined). Upstream, the second of the two to land takes it on."""
+    folder = series_dir(version)
+    path = folder / UNITS_FILE
+    refs = tomllib.loads(path.read_text()).get("glue", [])
+    series = sorted(folder.glob("*.patch"))
+    glue = {ref: resolve_patch(ref, series) for ref in refs if isinstance(ref, str)}
+    bad = [ref for ref, p in glue.items() if p is None] + [
+        repr(r) for r in refs if not isinstance(r, str)]
+    if bad:
+        raise UserError(f"{rel(path)}: glue names {', '.join(bad)}, not patches of "
+                        f"{rel(folder)}/; use number prefixes such as \"0019\"")
+    return {p for p in glue.values() if p is not None}
+
+
 def select(units: list[Unit], names: list[str]) -> list[Unit]:
     if not names:
         return units
@@ -693,11 +710,15 @@ def own_patches(unit: Unit, units: list[Unit]) -> list[Path]:
     return [p for p in unit.patches if p not in theirs]
 
 
-def base_code(repo: Path, tag: str, unit: Unit, own: list[Path]) -> str:
-    """What a stacked unit's own patches apply to: the tag + its base units' patches (a
-    commit on no branch; HEAD goes back to pr/<unit>). Its tests run there too: they should
-    fail for what its own commits fix, not only for what its bases add."""
-    theirs = [p for p in unit.patches if p not in own]
+def base_code(repo: Path, tag: str, unit: Unit, own: list[Path],
+              glue: set[Path] | frozenset = frozenset()) -> str:
+    """What a stacked unit's own patches apply to: the tag + its base units' patches, and
+    the glue among them, up to its own first change (a commit on no branch; HEAD goes back
+    to pr/<unit>). Its tests run there too: they should fail for what its own commits fix,
+    not only for what its bases add."""
+    mine = [p for p in own if p not in glue]
+    first = unit.patches.index(mine[0]) if mine else len(unit.patches)
+    theirs = unit.patches[:first]
     try:
         apply_patches(repo, tag, unit, theirs)
     except UserError:
@@ -742,15 +763,21 @@ def patch_size(patch: Path) -> tuple[int, str, int]:
     return changed, subject, len(body_lines)
 
 
-def review_limits(unit: Unit, units: list[Unit]) -> tuple[int, list[str]]:
-    """The unit's own changed lines, and what keeps a reviewer from taking it alone."""
+def review_limits(unit: Unit, units: list[Unit],
+                  glue: set[Path] | frozenset = frozenset()) -> tuple[int, list[str]]:
+    """The unit's own changed lines (not counting the glue it carries), and what keeps a
+    reviewer from taking it alone."""
     bases, _ = builds_on(unit, units)
     base_units = [u for u in units if u.name in bases]
     theirs = {p for u in base_units for p in u.patches}
     own = [p for p in unit.patches if p not in theirs]
     sizes = {p: patch_size(p) for p in own}
-    lines = sum(size[0] for size in sizes.values())
+    lines = sum(size[0] for p, size in sizes.items() if p not in glue)
     why = []
+    carried = [p for p in own if p in glue]
+    if carried:
+        why.append(f"carries the glue {', '.join(p.name[:4] for p in carried)} ("
+                   f"{sum(sizes[p][0] for p in carried)} lines) between units it stands on")
     if lines > UNIT_LINES_MAX:
         why.append(f"{lines} changed lines of its own, tests included (at most "
                    f"{UNIT_LINES_MAX}): split it, or move patches to a base unit")
@@ -972,11 +999,12 @@ def main() -> None:
     pin = load_pin(version)
     tag = pin["tag"]
     all_units = load_units(version)
+    glue = load_glue(version)
     units = select(all_units, opts.units)
     template = None
     if opts.list:
         for u in units:
-            lines, why = review_limits(u, all_units)
+            lines, why = review_limits(u, all_units, glue)
             base = builds_on(u, all_units)[0]
             print(f"{u.name:24s} {lines:5d} lines{' on ' + ', '.join(base) if base else ''}"
                   f"{'  OVER: ' + '; '.join(why) if why else ''}\n{'':24s} {u.title}  "
@@ -1058,7 +1086,7 @@ def main() -> None:
                     before = run_tests("before", pristine_site, testroot, unit.tests, out)
                     after = run_tests("after", site, testroot, unit.tests, out)
                     if len(own) < len(unit.patches):  # stacked: its tests on its bases too
-                        rev = base_code(repo, tag, unit, own)
+                        rev = base_code(repo, tag, unit, own, glue)
                         on_base = run_tests("on-base", build_site(out / "site-base", repo, rev,
                                                                   touched),
                                             testroot, unit.tests, out)
@@ -1099,7 +1127,7 @@ def main() -> None:
                     if n_base == 0 and n_before:
                         say(f"  warning: no test of unit {unit.name!r} fails on its base units' "
                             "code: the PR shows no test of its own change")
-            lines, why = review_limits(unit, all_units)
+            lines, why = review_limits(unit, all_units, glue)
             if why:
                 over.append(f"{unit.name}: " + "; ".join(why))
             summary.append(f"{branch:28s} {head[:12]} {state.split()[0]:9s} "

@@ -35,7 +35,7 @@ from _lib import (
     series_dir,
     vllm_version,
 )
-from make_pr import builds_on, load_units, make_command, review_limits, select
+from make_pr import builds_on, load_glue, load_units, make_command, review_limits, select
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", re.M)
 
@@ -72,13 +72,25 @@ def touched_lines(diff: str) -> dict[str, list[tuple[int, int]]]:
     return ranges
 
 
+# A line of brackets alone (or a blank one) is anyone's: blame's diff picks one of several
+# equal lines, and a patch that sits beside it applies wherever the brackets are the same.
+GENERIC_LINE = re.compile(r"^[\s(){}\[\];,]*$")
+
+
 def blame(checkout: Path, tag: str, rev: str, path: str) -> list[str]:
-    """The commit that last changed each line of `path` at `rev`, '' for the tag's lines."""
+    """The commit that last changed each line of `path` at `rev`: '' for the tag's lines and
+    for generic ones (GENERIC_LINE)."""
     if git("rev-parse", f"{rev}^{{commit}}", cwd=checkout) == git(
             "rev-parse", f"{tag}^{{commit}}", cwd=checkout):
         return []  # blame of an empty range would blame HEAD
-    out = git("blame", "-l", "-s", f"{tag}..{rev}", "--", path, cwd=checkout)
-    return ["" if ln.startswith("^") else ln.split(" ", 1)[0] for ln in out.splitlines()]
+    out = git("blame", "-l", "-s", f"{tag}..{rev}", "--", path, cwd=checkout, strip=False)
+    owners = []
+    for ln in out.splitlines():
+        commit, _, rest = ln.partition(" ")
+        text = rest.split(") ", 1)[1] if ") " in rest else ""
+        generic = GENERIC_LINE.match(text) is not None
+        owners.append("" if ln.startswith("^") or generic else commit)
+    return owners
 
 
 def dependencies(checkout: Path, tag: str, commits: list[str]) -> list[Counter]:
@@ -136,22 +148,25 @@ def main() -> None:
         raise UserError(f"no checkout at {rel(checkout)}: run "
                         f"`{make_command('checkout', version)}` first")
     all_units = load_units(version)
+    glue = load_glue(version)
     units = select(all_units, sys.argv[1:])
     patches = sorted(series_dir(version).glob("[0-9]*.patch"))
     commits = series_commits(checkout, tag, patches)
     deps = dependencies(checkout, tag, commits)
     number = {i: p.name[:4] for i, p in enumerate(patches)}
     position = {p: i for i, p in enumerate(patches)}
-    # the smallest unit carrying each patch names where a dependency lives
+    # the smallest unit carrying each patch names where a dependency lives (the glue is
+    # in no unit: the units it combines are those it builds on)
     home = {}
     for u in sorted(all_units, key=lambda u: len(u.patches), reverse=True):
         for p in u.patches:
-            home[p] = u.name
+            if p not in glue:
+                home[p] = u.name
     say(f"vLLM {version}: {len(patches)} patches, {len(units)} unit(s); a dependency is a "
         "hunk of a unit's own patch beside lines an earlier patch outside its base changed")
     report, code_needs, sizes = {}, {}, {}
     for u in all_units:
-        sizes[u.name], why = review_limits(u, all_units)
+        sizes[u.name], why = review_limits(u, all_units, glue)
         bases = builds_on(u, all_units)[0]
         base_patches = {p for b in all_units if b.name in bases for p in b.patches}
         own = [p for p in u.patches if p not in base_patches]
@@ -159,8 +174,10 @@ def main() -> None:
         for p in own:
             for (j, path), n in deps[position[p]].items():
                 if patches[j] not in own:
-                    needs[home.get(patches[j], "no unit")][f"{number[j]} {path}"] += n
-        code_needs[u.name] = {name for name, counts in needs.items() if name != "no unit"
+                    where = "the glue" if patches[j] in glue else "no unit"
+                    needs[home.get(patches[j], where)][f"{number[j]} {path}"] += n
+        code_needs[u.name] = {name for name, counts in needs.items()
+                              if name not in ("no unit", "the glue")
                               and any(not is_test(k) and not is_docs(k) for k in counts)}
         report[u.name] = (own, bases, why, needs)
     stacks = code_stacks(code_needs)

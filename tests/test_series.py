@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, run_script
@@ -353,3 +354,56 @@ def test_clean_never_removes_unexported_work(project_copy):
     r = run_script(project_copy, "clean.py", env={"FORCE": "1"})
     assert r.returncode == 0, r.stderr
     assert not (project_copy / "build").exists()
+
+
+def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monkeypatch):
+    """scripts/glue_unit.py: a unit written on the tag replaces the series' patch that sits
+    beside another fix's line, as three commits: glue that sets that line back to the tag's,
+    the unit's own patch byte for byte, glue back to the series' tree plus the unit's test
+    file; the later patch rebases on it, and the final tree is the old one plus that file."""
+    import glue_unit
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    lines = [f"{i}\n" for i in range(1, 13)]
+
+    def commit(changes: dict[int, str], msg: str, extra: dict[str, str] | None = None) -> str:
+        for n, text in changes.items():
+            lines[n - 1] = text + "\n"
+        (repo / "a.py").write_text("".join(lines))
+        for name, text in (extra or {}).items():
+            (repo / name).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+        subprocess.run(["git", "commit", "-q", "-m", msg], cwd=repo, check=True,
+                       env=glue_unit.git_env())
+        return glue_unit.git("rev-parse", "HEAD", cwd=repo)
+
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
+    tag = commit({}, "tag")
+    commit({3: "three, fixed"}, "[KV Offloading] Fix three")
+    old = commit({4: "four, the unit's", 9: "nine, the unit's"}, "[KV Offloading] The unit")
+    commit({12: "twelve, later"}, "[KV Offloading] Later")
+    subprocess.run(["git", "checkout", "-q", "-b", "unit", tag], cwd=repo, check=True)
+    lines[:] = [f"{i}\n" for i in range(1, 13)]
+    unit = commit({4: "four, the unit's", 9: "nine, the unit's"}, "[KV Offloading] The unit",
+                  {"test_unit.py": "def test_unit(): pass\n"})
+    subprocess.run(["git", "checkout", "-q", "main"], cwd=repo, check=True)
+    before = glue_unit.git("rev-parse", "main^{tree}", cwd=repo)
+    (tmp_path / "aside").write_text("[KV Offloading] Set aside\n")
+    (tmp_path / "back").write_text("[KV Offloading] Combine\n")
+    monkeypatch.setattr(glue_unit, "checkout_dir", lambda: repo)
+    monkeypatch.setattr(sys, "argv", ["glue_unit.py", tag, unit, old,
+                                      str(tmp_path / "aside"), str(tmp_path / "back")])
+    glue_unit.main()
+
+    subjects = glue_unit.git("log", "--format=%s", f"{tag}..main", cwd=repo).splitlines()
+    assert subjects[::-1] == ["[KV Offloading] Fix three", "[KV Offloading] Set aside",
+                              "[KV Offloading] The unit", "[KV Offloading] Combine",
+                              "[KV Offloading] Later"]
+    aside = glue_unit.git("show", "main~3:a.py", cwd=repo)
+    assert "three, fixed" not in aside  # beside the unit's line 4: the tag's again
+    placed = glue_unit.git("diff", "main~3", "main~2", cwd=repo)
+    assert placed == glue_unit.git("diff", tag, unit, cwd=repo)  # the unit as written
+    assert glue_unit.git("diff", "--stat", before, "main", cwd=repo).startswith(
+        "test_unit.py")  # the final tree: the old one plus the unit's test file
+    assert "three, fixed" in glue_unit.git("show", "main:a.py", cwd=repo)

@@ -14,10 +14,12 @@ tier's directory outlives the process and is often shared, so
   starts, and the key is never logged;
 
 Real files on disk throughout; the tier is driven as the tiering manager
-drives it (submit_store / submit_load / get_finished_jobs / lookup).
+drives it (submit_store / submit_load / get_finished_jobs / lookup). The file
+modes and the keyed namespace on their own are tested in
+test_fs_tier_file_modes.py and test_fs_tier_keyed_namespace.py; here, what
+they do together with the root check and group_access.
 """
 
-import contextlib
 import errno
 import mmap
 import os
@@ -88,16 +90,6 @@ def lookup(tier: FileSystemTierManager, k: OffloadKey) -> LookupResult:
     return tier.lookup(k, _CTX)
 
 
-def modes_under(top) -> dict[str, int]:
-    """Mode bits of *top* and of every file and directory under it."""
-    found = {str(top): stat.S_IMODE(os.lstat(top).st_mode)}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            found[path] = stat.S_IMODE(os.lstat(path).st_mode)
-    return found
-
-
 @pytest.fixture(params=[True, False], ids=["c_ext", "python"])
 def io_path(request, monkeypatch):
     """Both I/O paths: the fs_io_C extension and the Python fallback (loads,
@@ -110,75 +102,9 @@ def io_path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def permissive_umask():
-    """A umask of 0, as some container images run with: os.makedirs and
-    open() then create 0777 directories and 0666 files."""
-    old = os.umask(0)
-    yield
-    os.umask(old)
-
-
 # ---------------------------------------------------------------------------
 # (1) private by default
 # ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("config", "file_mode", "dir_mode"),
-    [({}, 0o600, 0o700), ({"group_access": True}, 0o640, 0o2770)],
-    ids=["private", "group_access"],
-)
-def test_tier_creates_private_files_under_a_permissive_umask(
-    tmp_path, io_path, permissive_umask, config, file_mode, dir_mode
-):
-    """Under umask 0, every file the tier creates (block files, config.json)
-    is 0600 and every directory (the missing root and its missing parents
-    included) 0700; with group_access 0640 and 2770. Before: 0666 files and
-    0777 directories, anyone could read the cached KV and plant files."""
-    root = tmp_path / "shared" / "kv"
-    kv = rows(4)
-    kv[:2] = 7
-    tier = make_tier(root, kv, **config)
-    try:
-        tier.submit_store(job(1, [key(1), key(2, group=1)], [0, 1]))
-        assert finish(tier) == [True]
-        tier.submit_store(job(2, [key(3)], [0]))
-        assert finish(tier) == [True]
-    finally:
-        tier.shutdown()
-    found = modes_under(tmp_path / "shared")
-    files = {p: m for p, m in found.items() if os.path.isfile(p)}
-    dirs = {p: m for p, m in found.items() if os.path.isdir(p)}
-    assert len(files) == 4, files  # config.json and 3 blocks
-    assert any(p.endswith("config.json") for p in files)
-    assert {p: oct(m) for p, m in files.items()} == {p: oct(file_mode) for p in files}
-    assert {p: oct(m) for p, m in dirs.items()} == {p: oct(dir_mode) for p in dirs}
-
-
-@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
-def test_group_access_modes_are_exact_whatever_the_umask(tmp_path, io_path, umask):
-    """With group_access the group must read blocks and write directories
-    whatever the umask of the engine that created them (a stricter umask
-    would lock the group's other engines out)."""
-    old = os.umask(umask)
-    try:
-        tier = make_tier(tmp_path / "kv", rows(2), group_access=True)
-        try:
-            tier.submit_store(job(1, [key(1)], [0]))
-            assert finish(tier) == [True]
-            block = tier.file_mapper.get_file_name(key(1))
-        finally:
-            tier.shutdown()
-    finally:
-        os.umask(old)
-    assert oct(stat.S_IMODE(os.stat(block).st_mode)) == oct(0o640)
-    assert oct(stat.S_IMODE(os.stat(os.path.dirname(block)).st_mode)) == oct(0o2770)
-
-
-def test_group_access_must_be_a_bool(tmp_path):
-    with pytest.raises(ValueError, match="group_access of the 'fs' tier"):
-        make_tier(tmp_path, rows(2), group_access="yes")
 
 
 def test_wider_modes_found_at_start_are_reported_once(tmp_path, caplog_vllm):
@@ -793,113 +719,6 @@ def test_keyed_blocks_take_the_compiled_io_path(tmp_path, monkeypatch):
     )
 
 
-def test_cold_restart_with_the_same_key_hits_another_key_misses(tmp_path, io_path):
-    """Engines sharing a root and a key file share blocks across a restart;
-    an engine with another key, or none, finds none of them: keyed files
-    live in a directory of their own."""
-    from vllm.v1.kv_offload.base import get_offload_block_hash
-
-    root = tmp_path / "kv"
-    same = key_file(tmp_path / "key")
-    other = key_file(tmp_path / "other-key")
-    kv = rows(4)
-    kv[0], kv[1] = 3, 4
-    keys = [key(1), key(2, group=1)]
-    writer = make_tier(root, kv, key_file=same)
-    try:
-        writer.submit_store(job(1, keys, [0, 1]))
-        assert finish(writer) == [True]
-        names = [writer.file_mapper.get_file_name(k) for k in keys]
-        keyed_base = writer.file_mapper.base_path
-    finally:
-        writer.shutdown()
-    for k, name in zip(keys, names):
-        assert get_offload_block_hash(k).hex() not in name
-
-    kv[:] = 0
-    restarted = make_tier(root, kv, key_file=same)
-    try:
-        assert [lookup(restarted, k) for k in keys] == [LookupResult.HIT] * 2
-        restarted.submit_load(job(2, keys, [2, 3], load=True))
-        assert finish(restarted) == [True]
-        assert (kv[2] == 3).all() and (kv[3] == 4).all()
-    finally:
-        restarted.shutdown()
-
-    for config in ({"key_file": other}, {}):
-        stranger = make_tier(root, kv, **config)
-        try:
-            assert [lookup(stranger, k) for k in keys] == [LookupResult.MISS] * 2
-            if not config:  # another key shares the directory, not the names
-                assert stranger.file_mapper.base_path != keyed_base
-        finally:
-            stranger.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("case", "refusal"),
-    [
-        ("missing", "does not exist"),
-        ("empty", "is empty"),
-        ("31 bytes", "is too short (31 bytes, at least 32 needed)"),
-        ("4097 bytes", "is longer than 4096 bytes"),
-        ("readable by others", "is accessible by others (mode 0644)"),
-        ("readable by its group", "is accessible by its group (mode 0640)"),
-        ("a directory", "is not a regular file"),
-        ("inline secret", "must be the absolute path of a file holding the key"),
-    ],
-)
-def test_a_bad_key_file_is_refused_before_any_thread_starts(tmp_path, case, refusal):
-    """A key file that is missing, empty, shorter than 32 or longer than 4096
-    bytes, readable by others (or by the group without group_access) or not
-    a file is refused with a ValueError naming the path and the fix, before
-    any thread starts and without the key's bytes in the message."""
-    path = tmp_path / "key"
-    secret = b"s3cr3t-" * 8
-    if case == "empty":
-        key_file(path, b"")
-    elif case == "31 bytes":
-        key_file(path, secret[:31])
-    elif case == "4097 bytes":
-        key_file(path, (secret * 80)[:4097])
-    elif case == "readable by others":
-        key_file(path, secret, 0o644)
-    elif case == "readable by its group":
-        key_file(path, secret, 0o640)
-    elif case == "a directory":
-        path.mkdir()
-    value = secret.decode() if case == "inline secret" else str(path)
-    message = _refused(tmp_path / "kv", key_file=value)
-    assert refusal in message
-    assert "s3cr3t" not in message
-    if case != "inline secret":
-        assert f"key_file {str(path)!r} of the 'fs' tier" in message
-        assert "chmod 6" in message or "head -c 32 /dev/urandom" in message
-
-
-def test_a_fifo_key_file_is_refused_at_once(tmp_path):
-    """A FIFO at the key_file path is refused as not a regular file, at once:
-    opening it to read (before the check) must not wait for a writer, which
-    would hang the engine's start."""
-    path = tmp_path / "key"
-    os.mkfifo(path, 0o600)
-    messages: list[str] = []
-    start = threading.Thread(
-        target=lambda: messages.append(_refused(tmp_path / "kv", key_file=str(path))),
-        daemon=True,
-    )
-    start.start()
-    start.join(10)
-    waited = start.is_alive()
-    if waited:  # unblock it: a writer opens the FIFO
-        with contextlib.suppress(OSError):
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        start.join(10)
-    assert not waited, "the start waited on the FIFO for a writer"
-    (message,) = messages
-    assert f"key_file {str(path)!r} of the 'fs' tier is not a regular file" in message
-
-
 def test_a_group_readable_key_file_is_accepted_with_group_access(tmp_path):
     path = key_file(tmp_path / "key", mode=0o640)
     make_tier(tmp_path / "kv", rows(2), key_file=path, group_access=True).shutdown()
@@ -915,16 +734,6 @@ def test_a_key_file_readable_by_a_stranger_group_is_refused(tmp_path):
     message = _refused(tmp_path / "kv", key_file=path, group_access=True)
     assert f"is accessible by its group {gid}, which the engine's user" in message
     assert f"Fix: chgrp {os.getegid()} {path}, or chmod 600 {path}" in message
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
-def test_a_key_file_owned_by_another_user_is_refused(tmp_path):
-    """A key file another user owns (who could rewrite it) is refused."""
-    path = key_file(tmp_path / "key")
-    os.chown(path, 54321, -1)
-    message = _refused(tmp_path / "kv", key_file=path)
-    assert "is owned by another user" in message
-    assert f"chown it to uid {os.geteuid()}" in message
 
 
 def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Put a PR unit written on its base into the series, with glue around it.
+
+A unit that changes lines other units of the series also change cannot stand on the tag as
+the series has it. Written anew on its base (the tag, or its one base unit), it goes into the
+series in place of the old patch, as three commits:
+
+1. glue that sets aside what the unit's hunks change or sit beside: those lines go back to
+   the base's text (a three-way merge of the series' file, the base's, and the base's with
+   every line the unit's hunks cover marked: where the series changed a marked line or one
+   beside it, the base's text wins); a file the unit creates that the series already has is
+   set aside whole;
+2. the unit's commit as it is (`git am`): its PR branch has the same patch;
+3. glue back to the old patch's tree, plus the unit's own files (those the series before it
+   has as the base has them, and the old patch does not change): its test file.
+
+The later commits then rebase unchanged onto the third. The final tree is the old one plus the
+unit's own files. List the two glue patches in pr-units.toml's `glue` (`make patches` first).
+
+Usage: glue_unit.py BASE UNIT OLD SET_ASIDE_MSG COMBINE_MSG
+  BASE, UNIT: commits of the track's checkout (the unit's base and the unit on it); OLD: the
+  series commit the unit replaces; *_MSG: files with the two glue commits' messages.
+  VLLM_VERSION selects the track; the checkout's branch must be checked out and clean.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _lib import UserError, checkout_dir, git, git_env, rel, run_main, say
+
+MARK = b"@@glue-unit-covered@@"
+
+
+def covered_lines(diff: str) -> set[int]:
+    """Lines (1-based, of the pre-image) a unified diff's hunks cover, context included; an
+    insertion covers the lines on both sides of it."""
+    lines: set[int] = set()
+    for m in re.finditer(r"^@@ -(\d+)(?:,(\d+))? ", diff, re.M):
+        start, count = int(m.group(1)), int(m.group(2) or 1)
+        lines |= {start, start + 1} if count == 0 else set(range(start, start + count))
+    return lines
+
+
+def set_aside(series: bytes, base: bytes, covered: set[int]) -> bytes:
+    """*series* with the lines *covered* (of *base*) and what the series changed beside them
+    back to *base*'s text."""
+    base_lines = base.splitlines(keepends=True)
+    marked = b"".join(ln.rstrip(b"\n") + MARK + b"\n" if i in covered else ln
+                      for i, ln in enumerate(base_lines, 1))
+    with tempfile.TemporaryDirectory() as d:
+        paths = [os.path.join(d, n) for n in ("series", "base", "marked")]
+        for path, data in zip(paths, (series, base, marked)):
+            Path(path).write_bytes(data)
+        r = subprocess.run(["git", "merge-file", "-p", "--diff3", *paths], capture_output=True)
+    if r.returncode < 0 or r.returncode > 127:
+        raise UserError(f"git merge-file failed: {r.stderr.decode(errors='replace').strip()}")
+    out, side = [], None
+    for ln in r.stdout.splitlines(keepends=True):
+        if ln.startswith(b"<<<<<<< "):
+            side = "series"
+        elif ln.startswith(b"||||||| ") and side == "series":
+            side = "base"
+        elif ln.startswith(b"=======") and side == "base":
+            side = "marked"
+        elif ln.startswith(b">>>>>>> ") and side == "marked":
+            side = None
+        elif side in (None, "base"):
+            out.append(ln.replace(MARK, b""))
+    return b"".join(out)
+
+
+def blob(repo: Path, rev: str, path: str) -> bytes | None:
+    r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True)
+    return r.stdout if r.returncode == 0 else None
+
+
+def tree_with(repo: Path, rev: str, files: dict[str, bytes | None]) -> str:
+    """The tree of *rev* with *files* replaced (None: removed)."""
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(d, "index"))
+        subprocess.run(["git", "read-tree", rev], cwd=repo, env=env, check=True)
+        for path, data in files.items():
+            if data is None:
+                subprocess.run(["git", "update-index", "--force-remove", "--", path],
+                               cwd=repo, env=env, check=True)
+                continue
+            sha = subprocess.run(["git", "hash-object", "-w", "--stdin"], cwd=repo, input=data,
+                                 capture_output=True, check=True).stdout.decode().strip()
+            mode = (git("ls-tree", rev, "--", path, cwd=repo).split() or ["100644"])[0]
+            subprocess.run(["git", "update-index", "--add", "--cacheinfo",
+                            f"{mode},{sha},{path}"], cwd=repo, env=env, check=True)
+        return subprocess.run(["git", "write-tree"], cwd=repo, env=env, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+
+def commit(repo: Path, tree: str, parent: str, message: str, date: str) -> str:
+    env = dict(git_env(), GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date)
+    return subprocess.run(["git", "commit-tree", tree, "-p", parent], cwd=repo, env=env,
+                          input=message, text=True, capture_output=True,
+                          check=True).stdout.strip()
+
+
+def main() -> None:
+    if len(sys.argv) != 6:
+        raise UserError("usage: glue_unit.py BASE UNIT OLD SET_ASIDE_MSG COMBINE_MSG "
+                        "(see the script's docstring)")
+    base, unit, old, aside_msg, combine_msg = sys.argv[1:]
+    repo = checkout_dir()
+    if git("status", "--porcelain", cwd=repo):
+        raise UserError(f"{rel(repo)} has uncommitted changes: commit or stash them first")
+    branch = git("symbolic-ref", "--short", "HEAD", cwd=repo)
+    parent = git("rev-parse", f"{old}^", cwd=repo)
+    date = git("log", "-1", "--format=%ad", "--date=raw", old, cwd=repo)
+
+    aside: dict[str, bytes | None] = {}
+    for path in git("diff", "--name-only", "--diff-filter=M", base, unit, cwd=repo).split():
+        series = blob(repo, parent, path)
+        if series is not None:
+            diff = git("diff", "-U3", base, unit, "--", path, cwd=repo)
+            aside[path] = set_aside(series, blob(repo, base, path) or b"", covered_lines(diff))
+    for path in git("diff", "--name-only", "--diff-filter=A", base, unit, cwd=repo).split():
+        if blob(repo, parent, path) is not None:
+            aside[path] = None  # the unit creates it: set aside whole
+    first = commit(repo, tree_with(repo, parent, aside), parent,
+                   Path(aside_msg).read_text(), date)
+
+    patch = git("format-patch", "-1", "--stdout", unit, cwd=repo, strip=False)
+    git("checkout", "-q", "--detach", first, cwd=repo)
+    r = subprocess.run(["git", "am", "-q", "--keep-non-patch", "--committer-date-is-author-date"],
+                       cwd=repo, input=patch, text=True, capture_output=True, env=git_env())
+    if r.returncode != 0:
+        git("am", "--abort", cwd=repo, check=False)
+        git("checkout", "-q", branch, cwd=repo)
+        raise UserError(f"the unit does not apply after the set-aside glue ({r.stderr.strip()}): "
+                        "is BASE the commit it was written on?")
+    placed = git("rev-parse", "HEAD", cwd=repo)
+
+    own = {}
+    for path in git("diff", "--name-only", base, unit, cwd=repo).split():
+        untouched = not git("diff", "--name-only", parent, old, "--", path, cwd=repo)
+        if untouched and blob(repo, parent, path) == blob(repo, base, path):
+            own[path] = blob(repo, unit, path)
+    back = commit(repo, tree_with(repo, old, own), placed, Path(combine_msg).read_text(), date)
+    git("checkout", "-q", branch, cwd=repo)
+    git("rebase", "-q", "--committer-date-is-author-date", "--onto", back, old, branch, cwd=repo)
+    say(f"{branch}: {old[:12]} is now {first[:12]} (set aside), {placed[:12]} (the unit), "
+        f"{back[:12]} (combined); the unit's own files: {', '.join(sorted(own)) or 'none'}. "
+        "Next: `make patches`, then list the two glue patches in pr-units.toml")
+
+
+if __name__ == "__main__":
+    run_main(main)
