@@ -33,6 +33,7 @@ from pathlib import Path
 from _lib import UserError, checkout_dir, git, git_env, rel, run_main, say
 
 MARK = b"@@glue-unit-covered@@"
+MARKER_SIZE = 40  # merge-file's conflict markers: longer than any line of the series
 
 
 def covered_lines(diff: str) -> set[int]:
@@ -55,18 +56,20 @@ def set_aside(series: bytes, base: bytes, covered: set[int]) -> bytes:
         paths = [os.path.join(d, n) for n in ("series", "base", "marked")]
         for path, data in zip(paths, (series, base, marked)):
             Path(path).write_bytes(data)
-        r = subprocess.run(["git", "merge-file", "-p", "--diff3", *paths], capture_output=True)
+        r = subprocess.run(["git", "merge-file", "-p", "--diff3",
+                            f"--marker-size={MARKER_SIZE}", *paths], capture_output=True)
     if r.returncode < 0 or r.returncode > 127:
         raise UserError(f"git merge-file failed: {r.stderr.decode(errors='replace').strip()}")
     out, side = [], None
+    opens, bases, mids, closes = (c * MARKER_SIZE for c in (b"<", b"|", b"=", b">"))
     for ln in r.stdout.splitlines(keepends=True):
-        if ln.startswith(b"<<<<<<< "):
+        if side is None and ln.startswith(opens + b" "):
             side = "series"
-        elif ln.startswith(b"||||||| ") and side == "series":
+        elif side == "series" and ln.startswith(bases + b" "):
             side = "base"
-        elif ln.startswith(b"=======") and side == "base":
+        elif side == "base" and ln.rstrip(b"\n") == mids:
             side = "marked"
-        elif ln.startswith(b">>>>>>> ") and side == "marked":
+        elif side == "marked" and ln.startswith(closes + b" "):
             side = None
         elif side in (None, "base"):
             out.append(ln.replace(MARK, b""))
@@ -113,6 +116,10 @@ def main() -> None:
     if git("status", "--porcelain", cwd=repo):
         raise UserError(f"{rel(repo)} has uncommitted changes: commit or stash them first")
     branch = git("symbolic-ref", "--short", "HEAD", cwd=repo)
+    if git("rev-parse", f"{unit}^", cwd=repo) != git("rev-parse", base, cwd=repo):
+        raise UserError(f"UNIT {unit} is not one commit on BASE {base}: squash the unit into "
+                        "one commit on the commit it was written on")
+    tip = git("rev-parse", branch, cwd=repo)
     parent = git("rev-parse", f"{old}^", cwd=repo)
     date = git("log", "-1", "--format=%ad", "--date=raw", old, cwd=repo)
 
@@ -146,7 +153,18 @@ def main() -> None:
             own[path] = blob(repo, unit, path)
     back = commit(repo, tree_with(repo, old, own), placed, Path(combine_msg).read_text(), date)
     git("checkout", "-q", branch, cwd=repo)
-    git("rebase", "-q", "--committer-date-is-author-date", "--onto", back, old, branch, cwd=repo)
+    r = subprocess.run(["git", "rebase", "-q", "--committer-date-is-author-date", "--onto",
+                        back, old, branch], cwd=repo, env=git_env(), capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise UserError(f"the commits after {old[:12]} do not rebase onto the glue "
+                        f"({r.stderr.strip()[-300:]}): resolve and `git rebase --continue` in "
+                        f"{rel(repo)}, or `git rebase --abort` (then {branch} is {tip[:12]})")
+    changed = set(git("diff", "--name-only", tip, branch, cwd=repo).split())
+    if changed != set(own):
+        raise UserError(f"{branch}'s final tree differs from before in {sorted(changed)}, not "
+                        f"only in the unit's own files {sorted(own)}: `git -C {rel(repo)} "
+                        f"reset --hard {tip[:12]}` restores it")
     say(f"{branch}: {old[:12]} is now {first[:12]} (set aside), {placed[:12]} (the unit), "
         f"{back[:12]} (combined); the unit's own files: {', '.join(sorted(own)) or 'none'}. "
         "Next: `make patches`, then list the two glue patches in pr-units.toml")

@@ -13,6 +13,10 @@ imports or behaviour: make pr's before/after runs check those. A unit over the r
 those lines moved, or the patch split, before it can stand on one base (issue 33).
 Each unit's last line follows its code hunks (docs-table rows and tests left out) down to
 the tag: how deep a stack of units that code needs, and how many lines it rests on.
+Glue (pr-units.toml's `glue`) is in no unit: a hunk beside lines a glue patch set aside or
+brought back is reported "on the glue" and not followed (a unit beside the lines glue
+brings back stands on the units it combines, which its base must carry with the glue:
+make pr's limits flag that).
 
 Usage: patch_deps.py [UNIT ...]   (VLLM_VERSION selects the track)
 """
@@ -56,10 +60,10 @@ def series_commits(checkout: Path, tag: str, patches: list[Path]) -> list[str]:
     return commits
 
 
-def touched_lines(diff: str) -> dict[str, list[tuple[int, int]]]:
+def touched_lines(diff: str) -> dict[str, list[tuple[int, int, tuple[int, ...]]]]:
     """Per pre-image file, the line ranges (1-based, inclusive) each hunk changes or sits
-    beside. New files have none."""
-    ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    beside, each with the lines it sits beside. New files have none."""
+    ranges: dict[str, list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
     for part in re.split(r"^diff --git ", diff, flags=re.M)[1:]:
         m = re.search(r"^--- (?:a/(.*)|/dev/null)$", part, re.M)
         if m is None or m.group(1) is None:
@@ -68,18 +72,20 @@ def touched_lines(diff: str) -> dict[str, list[tuple[int, int]]]:
             start, count = int(h.group(1)), int(h.group(2) or 1)
             # an insertion after line `start` (count 0) touches it and the next one
             first, last = (start, start + 1) if count == 0 else (start - 1, start + count)
-            ranges[m.group(1)].append((max(first, 1), last))
+            beside = (first, last) if count == 0 else (start - 1, start + count)
+            ranges[m.group(1)].append((max(first, 1), last, beside))
     return ranges
 
 
-# A line of brackets alone (or a blank one) is anyone's: blame's diff picks one of several
-# equal lines, and a patch that sits beside it applies wherever the brackets are the same.
+# A line of brackets alone (or a blank one) beside a hunk is anyone's: blame's diff picks one
+# of several equal lines, and a patch that sits beside it applies wherever the brackets are
+# the same. A hunk that changes such a line still depends on whoever wrote it.
 GENERIC_LINE = re.compile(r"^[\s(){}\[\];,]*$")
 
 
-def blame(checkout: Path, tag: str, rev: str, path: str) -> list[str]:
-    """The commit that last changed each line of `path` at `rev`: '' for the tag's lines and
-    for generic ones (GENERIC_LINE)."""
+def blame(checkout: Path, tag: str, rev: str, path: str) -> list[tuple[str, bool]]:
+    """Per line of `path` at `rev`: the commit that last changed it ('' for the tag's lines)
+    and whether it is generic (GENERIC_LINE)."""
     if git("rev-parse", f"{rev}^{{commit}}", cwd=checkout) == git(
             "rev-parse", f"{tag}^{{commit}}", cwd=checkout):
         return []  # blame of an empty range would blame HEAD
@@ -88,8 +94,8 @@ def blame(checkout: Path, tag: str, rev: str, path: str) -> list[str]:
     for ln in out.splitlines():
         commit, _, rest = ln.partition(" ")
         text = rest.split(") ", 1)[1] if ") " in rest else ""
-        generic = GENERIC_LINE.match(text) is not None
-        owners.append("" if ln.startswith("^") or generic else commit)
+        owners.append(("" if ln.startswith("^") else commit,
+                       GENERIC_LINE.match(text) is not None))
     return owners
 
 
@@ -102,8 +108,9 @@ def dependencies(checkout: Path, tag: str, commits: list[str]) -> list[Counter]:
         diff = git("diff", "-U0", "--no-renames", f"{c}^", c, cwd=checkout)
         for path, ranges in touched_lines(diff).items():
             owners = blame(checkout, tag, f"{c}^", path)
-            for first, last in ranges:
-                hit = {index[o] for o in owners[first - 1:last] if o in index}
+            for first, last, beside in ranges:
+                hit = {index[o] for n, (o, generic) in enumerate(owners[first - 1:last], first)
+                       if o in index and not (generic and n in beside)}
                 found.update((i, path) for i in hit)
         deps.append(found)
     return deps

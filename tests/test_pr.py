@@ -848,12 +848,13 @@ def test_patch_deps_names_the_earlier_patch_whose_lines_a_hunk_changes_or_sits_b
         [], [], [(0, "a.py")], [], [(1, "a.py"), (3, "a.py")],
     ]
     assert patch_deps.touched_lines("diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -5,0 +6 @@\n") == {
-        "x": [(5, 6)]}
+        "x": [(5, 6, (5, 6))]}
 
 
 def test_patch_deps_takes_no_line_of_brackets_alone_for_a_dependency(tmp_path):
-    """A line of brackets (or a blank one) is anyone's: a hunk beside one that an earlier
-    commit wrote does not build on that commit; beside a line with words, it does."""
+    """A line of brackets (or a blank one) beside a hunk is anyone's: a hunk beside one that
+    an earlier commit wrote does not build on that commit; beside a line with words, or
+    changing the brackets themselves, it does."""
     import patch_deps
 
     repo = tmp_path / "repo"
@@ -865,14 +866,15 @@ def test_patch_deps_takes_no_line_of_brackets_alone_for_a_dependency(tmp_path):
     kit.git("commit", "-q", "-m", "tag", cwd=repo)
     kit.git("tag", "v1", cwd=repo)
     commits = []
-    for n, text in ((3, "    )"), (8, "eight"), (4, "four"), (9, "nine")):
+    for n, text in ((3, "    )"), (8, "eight"), (4, "four"), (9, "nine"), (3, "    ],")):
         lines = path.read_text().splitlines()
         lines[n - 1] = text
         path.write_text("\n".join(lines) + "\n")
         kit.git("commit", "-q", "-a", "-m", f"line {n}", cwd=repo)
         commits.append(kit.git("rev-parse", "HEAD", cwd=repo))
     deps = patch_deps.dependencies(repo, "v1", commits)
-    assert [sorted(d) for d in deps] == [[], [], [], [(1, "a.py")]]
+    assert [sorted(d) for d in deps] == [
+        [], [], [], [(1, "a.py")], [(0, "a.py"), (2, "a.py")]]
 
 
 def test_patch_deps_follows_each_units_code_down_to_the_tag():

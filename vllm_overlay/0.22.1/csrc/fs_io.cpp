@@ -192,8 +192,18 @@ inline int ensure_parent_dirs(const std::string& path, mode_t dir_mode) {
       }
       return errno;
     }
-    if (chmod(it->c_str(), dir_mode) != 0) {
+    // Through an fd opened without following a link: whoever may write the
+    // parent could have put one there meanwhile, and chmod(path) would change
+    // the link's target.
+    const int dir_fd =
+        open(it->c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir_fd < 0) {
       return errno;
+    }
+    const int err = fchmod(dir_fd, dir_mode) != 0 ? errno : 0;
+    close(dir_fd);
+    if (err != 0) {
+      return err;
     }
   }
   return 0;

@@ -181,6 +181,37 @@ def test_wider_modes_found_at_start_are_reported_once(tmp_path, caplog):
     assert f"chmod -R go-rwx {tmp_path}" in lines[0]
 
 
+def test_a_link_put_where_a_directory_was_made_is_not_followed(
+    tmp_path, monkeypatch
+):
+    """A directory the tier made is replaced by a link before its mode is set
+    (with group_access, any member of the group can): the store fails, and
+    the link's target keeps its mode, where chmod(path) would have given it
+    the tier's (02770: the engine user's directory, writable by the group)."""
+    import vllm.v1.kv_offload.tiering.fs.io as io_mod
+
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    tier = make_tier(tmp_path / "kv", rows(2), group_access=True)
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    target.chmod(0o700)
+    real_mkdir = os.mkdir
+
+    def mkdir_then_link(path, mode=0o777, **kwargs):
+        real_mkdir(path, mode, **kwargs)
+        os.rmdir(path)
+        os.symlink(target, path)
+
+    try:
+        monkeypatch.setattr(os, "mkdir", mkdir_then_link)
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert [r.success for r in finish(tier)] == [False]
+    finally:
+        monkeypatch.undo()
+        tier.shutdown()
+    assert oct(stat.S_IMODE(os.stat(target).st_mode)) == oct(0o700)
+
+
 # ---------------------------------------------------------------------------
 # (2) unsafe roots refused, symbolic links not followed
 # ---------------------------------------------------------------------------

@@ -62,8 +62,8 @@ def test_tier_creates_private_files_under_a_permissive_umask(
 ):
     """Under umask 0, every file the tier creates (block files, config.json)
     is 0600 and every directory (the missing root and its parents included)
-    0700. Before: 0666 files and 0777 directories, anyone could read the
-    cached KV and plant files."""
+    0700. Before: 0644 block files, a 0666 config.json and 0777 directories:
+    anyone could read the cached KV, and write into the tree."""
     if use_c_ext and not io_mod._HAS_FSIO_C:
         pytest.skip("fs_io_C extension not built")
     monkeypatch.setattr(io_mod, "_HAS_FSIO_C", use_c_ext)
@@ -81,6 +81,34 @@ def test_tier_creates_private_files_under_a_permissive_umask(
     assert any(p.endswith("config.json") for p in files)
     assert files == dict.fromkeys(files, oct(0o600))
     assert dirs == dict.fromkeys(dirs, oct(0o700))
+
+
+def test_a_link_put_where_a_directory_was_made_is_not_followed(
+    tmp_path, monkeypatch
+):
+    """A directory the tier made is replaced by a link before its mode is set
+    (whoever may write its parent can): the store fails, and the link's
+    target keeps its mode, where chmod(path) would have given it the tier's."""
+    monkeypatch.setattr(io_mod, "_HAS_FSIO_C", False)
+    tier = make_tier(tmp_path / "kv")
+    target = tmp_path / "target"
+    target.mkdir(mode=0o755)
+    target.chmod(0o755)
+    real_mkdir = os.mkdir
+
+    def mkdir_then_link(path, mode=0o777, **kwargs):
+        real_mkdir(path, mode, **kwargs)
+        os.rmdir(path)
+        os.symlink(target, path)
+
+    try:
+        monkeypatch.setattr(os, "mkdir", mkdir_then_link)
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [False]
+    finally:
+        monkeypatch.undo()
+        tier.shutdown()
+    assert oct(stat.S_IMODE(os.stat(target).st_mode)) == oct(0o755)
 
 
 def test_a_config_write_cut_short_leaves_no_partial_config(tmp_path):

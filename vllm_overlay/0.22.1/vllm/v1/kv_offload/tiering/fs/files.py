@@ -86,7 +86,14 @@ def make_dirs(path: str, modes: FileModes = PRIVATE_MODES) -> bool:
             if not _is_dir(directory):
                 raise
             continue  # created by another thread or engine meanwhile
-        os.chmod(directory, modes.dir)
+        # through an fd opened without following a link: whoever may write the
+        # parent could have put one there meanwhile, and chmod(path) would
+        # change the link's target
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, modes.dir)
+        finally:
+            os.close(fd)
     return bool(missing)
 
 
@@ -106,6 +113,7 @@ def write_file_atomically(path: str, data: bytes, modes: FileModes) -> None:
             view = memoryview(data)
             while view:  # a write may be short (a file size limit, NFS)
                 view = view[os.write(fd, view) :]
+            os.fsync(fd)  # a power cut after the rename leaves no empty file
         finally:
             os.close(fd)
         os.replace(tmp_path, path)
