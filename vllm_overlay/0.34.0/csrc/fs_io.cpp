@@ -171,7 +171,7 @@ inline void crc32c_bytes(const void* data, size_t size,
 }
 
 // Creates the missing parent directories of `path` with exactly `dir_mode`
-// (mkdir, then chmod: std::filesystem::create_directories and mkdir alone
+// (mkdir, then fchmod: std::filesystem::create_directories and mkdir alone
 // give 0777 & ~umask). KV blocks are users' data: the tier's directories are
 // private (0700) unless the tier shares its root with a group. Returns 0 on
 // success, or the errno of the failing step.

@@ -1643,6 +1643,36 @@ def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
     assert os.listdir(ledgers) == ["alive"]
 
 
+def test_a_link_put_where_the_ledger_directory_was_made_is_not_followed(
+    tmp_path, monkeypatch
+):
+    """The ledger directory just made is replaced by a link before its mode is
+    set (with group_access, a member of the group can): the ledger is not
+    written, counted as an error, and the link's target keeps its mode, where
+    chmod(path) would have given it the rank directory's (02770)."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rank_dir = tmp_path / "rank"
+    rank_dir.mkdir()
+    rank_dir.chmod(0o2770)
+    target = tmp_path / "target"
+    target.mkdir()
+    target.chmod(0o700)
+    ledgers = budget_module._Ledgers(str(rank_dir), 1 << 20, "fs")
+    real_mkdir = os.mkdir
+
+    def mkdir_then_link(path, mode=0o777, **kwargs):
+        real_mkdir(path, mode, **kwargs)
+        os.rmdir(path)
+        os.symlink(target, path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_link)
+    ledgers.publish((4096, 0))
+    monkeypatch.undo()
+    assert ledgers.errors == 1
+    assert oct(os.stat(target).st_mode & 0o7777) == oct(0o700)
+
+
 def test_a_budget_on_a_root_not_made_yet_warns_of_no_ledger(tmp_path, caplog_vllm):
     """The tier makes its rank directory with its first store: until then
     the budget writes no ledger and says nothing of it; then it writes it."""

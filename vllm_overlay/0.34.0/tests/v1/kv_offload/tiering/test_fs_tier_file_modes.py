@@ -83,9 +83,7 @@ def test_tier_creates_private_files_under_a_permissive_umask(
     assert dirs == dict.fromkeys(dirs, oct(0o700))
 
 
-def test_a_link_put_where_a_directory_was_made_is_not_followed(
-    tmp_path, monkeypatch
-):
+def test_a_link_put_where_a_directory_was_made_is_not_followed(tmp_path, monkeypatch):
     """A directory the tier made is replaced by a link before its mode is set
     (whoever may write its parent can): the store fails, and the link's
     target keeps its mode, where chmod(path) would have given it the tier's."""

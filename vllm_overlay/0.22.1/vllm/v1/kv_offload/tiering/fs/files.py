@@ -45,7 +45,7 @@ def get_tmp_suffix() -> str:
 class FileModes:
     """The modes of what the tier creates: KV blocks are users' data, so only
     the tier's own user (and, with group access, its group) may read them or
-    write into the tree. Set exactly (fchmod/chmod after creating), whatever
+    write into the tree. Set exactly (fchmod after creating), whatever
     the process umask."""
 
     file: int

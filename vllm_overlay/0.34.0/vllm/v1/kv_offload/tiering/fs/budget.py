@@ -1296,7 +1296,15 @@ class _Ledgers:
             # the rank directory's modes (group access, setgid), umask aside
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self._dir)
-                os.chmod(self._dir, st.st_mode & 0o7777)
+                # through an fd opened without following a link: with
+                # group_access a member could put one there meanwhile
+                dir_fd = os.open(
+                    self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                )
+                try:
+                    os.fchmod(dir_fd, st.st_mode & 0o7777)
+                finally:
+                    os.close(dir_fd)
             if not stat.S_ISDIR(os.lstat(self._dir).st_mode):
                 raise NotADirectoryError(f"{self._dir} is not a directory")
             fd = os.open(
