@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from _lib import UserError, checkout_dir, git, git_env, rel, run_main, say
+from make_pr import git_show
 
 MARK = b"@@glue-unit-covered@@"
 MARKER_SIZE = 40  # merge-file's conflict markers: longer than any line of the series
@@ -74,11 +75,6 @@ def set_aside(series: bytes, base: bytes, covered: set[int]) -> bytes:
         elif side in (None, "base"):
             out.append(ln.replace(MARK, b""))
     return b"".join(out)
-
-
-def blob(repo: Path, rev: str, path: str) -> bytes | None:
-    r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True)
-    return r.stdout if r.returncode == 0 else None
 
 
 def tree_with(repo: Path, rev: str, files: dict[str, bytes | None]) -> str:
@@ -125,12 +121,12 @@ def main() -> None:
 
     aside: dict[str, bytes | None] = {}
     for path in git("diff", "--name-only", "--diff-filter=M", base, unit, cwd=repo).split():
-        series = blob(repo, parent, path)
+        series = git_show(repo, parent, path)
         if series is not None:
             diff = git("diff", "-U3", base, unit, "--", path, cwd=repo)
-            aside[path] = set_aside(series, blob(repo, base, path) or b"", covered_lines(diff))
+            aside[path] = set_aside(series, git_show(repo, base, path) or b"", covered_lines(diff))
     for path in git("diff", "--name-only", "--diff-filter=A", base, unit, cwd=repo).split():
-        if blob(repo, parent, path) is not None:
+        if git_show(repo, parent, path) is not None:
             aside[path] = None  # the unit creates it: set aside whole
     first = commit(repo, tree_with(repo, parent, aside), parent,
                    Path(aside_msg).read_text(), date)
@@ -149,8 +145,8 @@ def main() -> None:
     own = {}
     for path in git("diff", "--name-only", base, unit, cwd=repo).split():
         untouched = not git("diff", "--name-only", parent, old, "--", path, cwd=repo)
-        if untouched and blob(repo, parent, path) == blob(repo, base, path):
-            own[path] = blob(repo, unit, path)
+        if untouched and git_show(repo, parent, path) == git_show(repo, base, path):
+            own[path] = git_show(repo, unit, path)
     back = commit(repo, tree_with(repo, old, own), placed, Path(combine_msg).read_text(), date)
     git("checkout", "-q", branch, cwd=repo)
     r = subprocess.run(["git", "rebase", "-q", "--committer-date-is-author-date", "--onto",
