@@ -103,6 +103,21 @@ def commit(repo: Path, tree: str, parent: str, message: str, date: str) -> str:
                           check=True).stdout.strip()
 
 
+def drift(repo: Path, base: str, unit: str, old: str) -> dict[str, list[str]]:
+    """Per file the unit changes, the lines it adds that the old patch's tree lacks: what the
+    combined glue drops (a fix the PR branch has and the series not)."""
+    out = {}
+    for path in git("diff", "--name-only", "--diff-filter=M", base, unit, cwd=repo).split():
+        have = {ln.strip() for ln in (git_show(repo, old, path) or b"").decode().splitlines()}
+        added = [ln[1:].strip() for ln in git("diff", "-U0", base, unit, "--", path,
+                                             cwd=repo).splitlines()
+                 if ln.startswith("+") and not ln.startswith("+++")]
+        lacking = [ln for ln in added if ln.strip("()[]{}:,;") and ln not in have]
+        if lacking:
+            out[path] = lacking
+    return out
+
+
 def main() -> None:
     if len(sys.argv) != 6:
         raise UserError("usage: glue_unit.py BASE UNIT OLD SET_ASIDE_MSG COMBINE_MSG "
@@ -148,6 +163,9 @@ def main() -> None:
         if untouched and git_show(repo, parent, path) == git_show(repo, base, path):
             own[path] = git_show(repo, unit, path)
     back = commit(repo, tree_with(repo, old, own), placed, Path(combine_msg).read_text(), date)
+    for path, lines in drift(repo, base, unit, old).items():
+        say(f"drift: {path} lacks {len(lines)} line(s) the unit adds, e.g. {lines[0]!r}: the "
+            "combined glue keeps the series' text; carry what it lacks into the series")
     git("checkout", "-q", branch, cwd=repo)
     r = subprocess.run(["git", "rebase", "-q", "--committer-date-is-author-date", "--onto",
                         back, old, branch], cwd=repo, env=git_env(), capture_output=True,

@@ -356,11 +356,13 @@ def test_clean_never_removes_unexported_work(project_copy):
     assert not (project_copy / "build").exists()
 
 
-def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monkeypatch):
+def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monkeypatch,
+                                                                  capsys):
     """scripts/glue_unit.py: a unit written on the tag replaces the series' patch that sits
     beside another fix's line, as three commits: glue that sets that line back to the tag's,
     the unit's own patch byte for byte, glue back to the series' tree plus the unit's test
-    file; the later patch rebases on it, and the final tree is the old one plus that file."""
+    file; the later patch rebases on it, and the final tree is the old one plus that file.
+    A line the unit adds that the series lacks is named (the glue drops it)."""
     import glue_unit
 
     repo = tmp_path / "repo"
@@ -385,8 +387,8 @@ def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monk
     commit({12: "twelve, later"}, "[KV Offloading] Later")
     subprocess.run(["git", "checkout", "-q", "-b", "unit", tag], cwd=repo, check=True)
     lines[:] = [f"{i}\n" for i in range(1, 13)]
-    unit = commit({4: "four, the unit's", 9: "nine, the unit's"}, "[KV Offloading] The unit",
-                  {"test_unit.py": "def test_unit(): pass\n"})
+    unit = commit({4: "four, the unit's", 9: "nine, the unit's, and a fix"},
+                  "[KV Offloading] The unit", {"test_unit.py": "def test_unit(): pass\n"})
     subprocess.run(["git", "checkout", "-q", "main"], cwd=repo, check=True)
     before = glue_unit.git("rev-parse", "main^{tree}", cwd=repo)
     (tmp_path / "aside").write_text("[KV Offloading] Set aside\n")
@@ -407,3 +409,5 @@ def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monk
     assert glue_unit.git("diff", "--stat", before, "main", cwd=repo).startswith(
         "test_unit.py")  # the final tree: the old one plus the unit's test file
     assert "three, fixed" in glue_unit.git("show", "main:a.py", cwd=repo)
+    assert "drift: a.py lacks 1 line(s) the unit adds, e.g. \"nine, the unit's, and a fix\"" \
+        in capsys.readouterr().out
