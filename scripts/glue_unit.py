@@ -9,7 +9,9 @@ series in place of the old patch, as three commits:
    the base's text (a three-way merge of the series' file, the base's, and the base's with
    every line the unit's hunks cover marked: where the series changed a marked line or one
    beside it, the base's text wins); a file the unit creates that the series already has is
-   set aside whole;
+   set aside whole, and so is a file where the unit does not apply that way, or where its
+   patch as the series exports it would not turn the base's file into the unit's (git diff
+   aligns hunks on the series' lines);
 2. the unit's commit as it is (`git am`): its PR branch has the same patch;
 3. glue back to the old patch's tree, plus the unit's own files (those the series before it
    has as the base has them, and the old patch does not change): its test file.
@@ -103,11 +105,14 @@ def commit(repo: Path, tree: str, parent: str, message: str, date: str) -> str:
                           check=True).stdout.strip()
 
 
-def drift(repo: Path, base: str, unit: str, old: str) -> dict[str, list[str]]:
-    """Per file the unit changes, the lines it adds that the old patch's tree lacks: what the
-    combined glue drops (a fix the PR branch has and the series not)."""
+def drift(repo: Path, base: str, unit: str, old: str, own: set[str]) -> dict[str, list[str]]:
+    """Per file the unit changes (but its own files, kept whole), the lines it adds that the
+    old patch's tree lacks: what the combined glue drops (a fix the PR branch has and the
+    series not)."""
     out = {}
     for path in git("diff", "--name-only", "--diff-filter=M", base, unit, cwd=repo).split():
+        if path in own:
+            continue
         have = {ln.strip() for ln in (git_show(repo, old, path) or b"").decode().splitlines()}
         added = [ln[1:].strip() for ln in git("diff", "-U0", base, unit, "--", path,
                                              cwd=repo).splitlines()
@@ -116,6 +121,43 @@ def drift(repo: Path, base: str, unit: str, old: str) -> dict[str, list[str]]:
         if lacking:
             out[path] = lacking
     return out
+
+
+def place(repo: Path, base: str, unit: str, parent: str, aside: dict[str, bytes | None],
+          aside_msg: str, date: str, branch: str) -> tuple[str, str]:
+    """The set-aside glue on *parent*, and the unit applied on it (`git am`): both commits."""
+    first = commit(repo, tree_with(repo, parent, aside), parent, Path(aside_msg).read_text(),
+                   date)
+    patch = git("format-patch", "-1", "--stdout", unit, cwd=repo, strip=False)
+    git("checkout", "-q", "--detach", first, cwd=repo)
+    r = subprocess.run(["git", "am", "-q", "--keep-non-patch", "--committer-date-is-author-date"],
+                       cwd=repo, input=patch, text=True, capture_output=True, env=git_env())
+    placed = git("rev-parse", "HEAD", cwd=repo)
+    if r.returncode != 0:
+        git("am", "--abort", cwd=repo, check=False)
+    git("checkout", "-q", branch, cwd=repo)
+    if r.returncode != 0:
+        raise UserError(f"the unit does not apply after the set-aside glue ({r.stderr.strip()}): "
+                        "is BASE the commit it was written on?")
+    return first, placed
+
+
+def misplaced(repo: Path, base: str, unit: str, first: str, placed: str) -> list[str]:
+    """The unit's files that its patch as the series exports it (first..placed, whose context
+    is the series' text) does not turn from BASE's into UNIT's: `git diff` may align the
+    hunks on other lines than the unit's own diff does."""
+    paths = git("diff", "--name-only", base, unit, cwd=repo).split()
+    diff = git("diff", "--binary", first, placed, cwd=repo, strip=False)
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(d, "index"))
+        subprocess.run(["git", "read-tree", base], cwd=repo, env=env, check=True)
+        r = subprocess.run(["git", "apply", "--cached"], cwd=repo, env=env, input=diff,
+                           text=True, capture_output=True)
+        if r.returncode != 0:
+            return paths
+        tree = subprocess.run(["git", "write-tree"], cwd=repo, env=env, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    return [p for p in paths if git_show(repo, tree, p) != git_show(repo, unit, p)]
 
 
 def main() -> None:
@@ -143,19 +185,19 @@ def main() -> None:
     for path in git("diff", "--name-only", "--diff-filter=A", base, unit, cwd=repo).split():
         if git_show(repo, parent, path) is not None:
             aside[path] = None  # the unit creates it: set aside whole
-    first = commit(repo, tree_with(repo, parent, aside), parent,
-                   Path(aside_msg).read_text(), date)
-
-    patch = git("format-patch", "-1", "--stdout", unit, cwd=repo, strip=False)
-    git("checkout", "-q", "--detach", first, cwd=repo)
-    r = subprocess.run(["git", "am", "-q", "--keep-non-patch", "--committer-date-is-author-date"],
-                       cwd=repo, input=patch, text=True, capture_output=True, env=git_env())
-    if r.returncode != 0:
-        git("am", "--abort", cwd=repo, check=False)
-        git("checkout", "-q", branch, cwd=repo)
-        raise UserError(f"the unit does not apply after the set-aside glue ({r.stderr.strip()}): "
-                        "is BASE the commit it was written on?")
-    placed = git("rev-parse", "HEAD", cwd=repo)
+    try:
+        first, placed = place(repo, base, unit, parent, aside, aside_msg, date, branch)
+        whole = misplaced(repo, base, unit, first, placed)
+    except UserError:  # beside lines the series rewrote: only the base's whole files take it
+        whole = git("diff", "--name-only", "--diff-filter=M", base, unit, cwd=repo).split()
+    if whole:  # its diff there would not apply on BASE as the unit's: set those files aside whole
+        say(f"set aside whole (the unit's hunks land elsewhere beside the series' lines): "
+            f"{', '.join(whole)}")
+        aside.update({path: git_show(repo, base, path) for path in whole})
+        first, placed = place(repo, base, unit, parent, aside, aside_msg, date, branch)
+        if misplaced(repo, base, unit, first, placed):
+            raise UserError("the unit's patch in the series does not give the unit on BASE: "
+                            "report this with the commits named")
 
     own = {}
     for path in git("diff", "--name-only", base, unit, cwd=repo).split():
@@ -163,7 +205,7 @@ def main() -> None:
         if untouched and git_show(repo, parent, path) == git_show(repo, base, path):
             own[path] = git_show(repo, unit, path)
     back = commit(repo, tree_with(repo, old, own), placed, Path(combine_msg).read_text(), date)
-    for path, lines in drift(repo, base, unit, old).items():
+    for path, lines in drift(repo, base, unit, old, set(own)).items():
         say(f"drift: {path} lacks {len(lines)} line(s) the unit adds, e.g. {lines[0]!r}: the "
             "combined glue keeps the series' text; carry what it lacks into the series")
     git("checkout", "-q", branch, cwd=repo)
@@ -175,7 +217,7 @@ def main() -> None:
                         f"({r.stderr.strip()[-300:]}): resolve and `git rebase --continue` in "
                         f"{rel(repo)}, or `git rebase --abort` (then {branch} is {tip[:12]})")
     changed = set(git("diff", "--name-only", tip, branch, cwd=repo).split())
-    if changed != set(own):
+    if not changed <= set(own):  # the old tree, plus the unit's files (if it lacked them)
         raise UserError(f"{branch}'s final tree differs from before in {sorted(changed)}, not "
                         f"only in the unit's own files {sorted(own)}: `git -C {rel(repo)} "
                         f"reset --hard {tip[:12]}` restores it")

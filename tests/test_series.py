@@ -411,3 +411,28 @@ def test_glue_unit_puts_a_unit_written_on_the_tag_into_the_series(tmp_path, monk
     assert "three, fixed" in glue_unit.git("show", "main:a.py", cwd=repo)
     assert "drift: a.py lacks 1 line(s) the unit adds, e.g. \"nine, the unit's, and a fix\"" \
         in capsys.readouterr().out
+
+
+def test_glue_unit_finds_a_unit_patch_that_would_not_give_the_unit_on_its_base(tmp_path):
+    """The series exports the unit's patch with the set-aside glue as its pre-image: where
+    `git diff` aligns its hunks on the series' lines, it does not turn BASE into UNIT (as the
+    C MACs' did in session 35), and glue_unit.py must then set that file aside whole."""
+    import glue_unit
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
+
+    def commit(text: str) -> str:
+        (repo / "a.c").write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+        subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "c"], cwd=repo,
+                       check=True, env=glue_unit.git_env())
+        return glue_unit.git("rev-parse", "HEAD", cwd=repo)
+
+    base = commit("b\nc\nd\n")
+    unit = commit("b\nc, the unit's\nd\n")
+    first = commit("x\nb\nc\ny\n")  # the series' lines beside the unit's
+    placed = commit("x\nb\nc, the unit's\ny\n")
+    assert glue_unit.misplaced(repo, base, unit, first, placed) == ["a.c"]
+    assert glue_unit.misplaced(repo, base, unit, base, unit) == []
