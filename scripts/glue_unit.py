@@ -126,8 +126,9 @@ def drift(repo: Path, base: str, unit: str, old: str, own: set[str]) -> dict[str
 def place(repo: Path, base: str, unit: str, parent: str, aside: dict[str, bytes | None],
           aside_msg: str, date: str, branch: str) -> tuple[str, str]:
     """The set-aside glue on *parent*, and the unit applied on it (`git am`): both commits."""
-    first = commit(repo, tree_with(repo, parent, aside), parent, Path(aside_msg).read_text(),
-                   date)
+    tree = tree_with(repo, parent, aside)
+    first = parent if tree == git("rev-parse", f"{parent}^{{tree}}", cwd=repo) else commit(
+        repo, tree, parent, Path(aside_msg).read_text(), date)  # nothing to set aside: none
     patch = git("format-patch", "-1", "--stdout", unit, cwd=repo, strip=False)
     git("checkout", "-q", "--detach", first, cwd=repo)
     r = subprocess.run(["git", "am", "-q", "--keep-non-patch", "--committer-date-is-author-date"],
@@ -221,7 +222,8 @@ def main() -> None:
         raise UserError(f"{branch}'s final tree differs from before in {sorted(changed)}, not "
                         f"only in the unit's own files {sorted(own)}: `git -C {rel(repo)} "
                         f"reset --hard {tip[:12]}` restores it")
-    say(f"{branch}: {old[:12]} is now {first[:12]} (set aside), {placed[:12]} (the unit), "
+    say(f"{branch}: {old[:12]} is now {first[:12]} (set aside, or its parent where nothing "
+        f"was), {placed[:12]} (the unit), "
         f"{back[:12]} (combined); the unit's own files: {', '.join(sorted(own)) or 'none'}. "
         "Next: `make patches`, then list the two glue patches in pr-units.toml")
 

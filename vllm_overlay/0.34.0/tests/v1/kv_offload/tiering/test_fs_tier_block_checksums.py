@@ -33,6 +33,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
@@ -386,6 +387,7 @@ def _end_step(sched: OffloadingConnectorScheduler, loads: dict) -> None:
     """An engine step's end: the workers run its load jobs (whose CPU rows
     must hold what was stored) and report them done; the fs tier's I/O."""
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(meta, OffloadingConnectorMetadata)
     rows = _cpu_rows(sched.manager)
     assert sorted(job.req_id for job in meta.load_jobs.values()) == sorted(loads)
     worker_meta = OffloadingWorkerMetadata()
