@@ -127,9 +127,8 @@ def test_crc32c_is_castagnoli():
 
 
 def test_a_changed_block_is_a_miss_removed_and_counted(tmp_path, io_path):
-    """A block file whose bytes changed at the same size fails its load and
-    is removed; the blocks before it in the job load. It is counted in the
-    tier's checksum failure metric."""
+    """A block changed at the same size fails its load and is removed, the
+    blocks before it in the job load, and the failure is counted."""
     kv = rows(6)
     kv[0], kv[1], kv[2] = 1, 2, 3
     keys = [key(1), key(2), key(3)]
