@@ -20,7 +20,6 @@ test_fs_tier_file_modes.py and test_fs_tier_keyed_namespace.py; here, what
 they do together with the root check and group_access.
 """
 
-import errno
 import mmap
 import os
 import stat
@@ -734,24 +733,6 @@ def test_a_key_file_readable_by_a_stranger_group_is_refused(tmp_path):
     message = _refused(tmp_path / "kv", key_file=path, group_access=True)
     assert f"is accessible by its group {gid}, which the engine's user" in message
     assert f"Fix: chgrp {os.getegid()} {path}, or chmod 600 {path}" in message
-
-
-def test_a_root_without_extended_attributes_is_refused(tmp_path, monkeypatch):
-    """Each block's MAC lives in an extended attribute: a root whose
-    filesystem has none is refused at start with the fix, before any thread
-    starts, rather than failing every store."""
-
-    def no_xattrs(*args, **kwargs):
-        raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP))
-
-    monkeypatch.setattr(os, "setxattr", no_xattrs)
-    threads = set(threading.enumerate())
-    with pytest.raises(ValueError) as refused:
-        make_tier(tmp_path / "kv", rows(2), key_file=key_file(tmp_path / "key"))
-    assert set(threading.enumerate()) <= threads, "refused after starting threads"
-    message = str(refused.value)
-    assert "key_file of the 'fs' tier needs user extended attributes" in message
-    assert "Fix: use a root_dir on a filesystem with user xattrs" in message
 
 
 def test_a_key_file_gives_the_same_names_and_macs_on_every_release():
