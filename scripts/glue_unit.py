@@ -209,7 +209,6 @@ def main() -> None:
     for path, lines in drift(repo, base, unit, old, set(own)).items():
         say(f"drift: {path} lacks {len(lines)} line(s) the unit adds, e.g. {lines[0]!r}: the "
             "combined glue keeps the series' text; carry what it lacks into the series")
-    git("checkout", "-q", branch, cwd=repo)
     r = subprocess.run(["git", "rebase", "-q", "--committer-date-is-author-date", "--onto",
                         back, old, branch], cwd=repo, env=git_env(), capture_output=True,
                        text=True)
