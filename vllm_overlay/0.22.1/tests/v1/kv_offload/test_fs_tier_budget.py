@@ -1808,6 +1808,23 @@ def test_a_file_that_cannot_be_removed_is_counted_and_reported(tmp_path, caplog)
         tier.shutdown()
 
 
+def test_evicted_files_that_cannot_be_removed_stay_counted(tmp_path, monkeypatch):
+    """Every removal fails (not ENOENT): the evicted files stay and stay
+    counted, so stores are refused once they fill max_bytes, not written
+    beyond it store after store."""
+    rows = _aligned_rows(4)
+    page = rows.shape[1]
+    tier = make_tier(str(tmp_path), rows, max_bytes=2 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+        assert all(r.success for r in store_keys(tier, [key(0)], 0, rows))
+        monkeypatch.setattr(os, "remove", os.rmdir)  # ENOTDIR on a file
+        store_keys(tier, [key(n) for n in range(1, 10)], 1, rows)
+        assert disk_bytes(str(tmp_path)) <= 2 * 2 * page
+    finally:
+        tier.shutdown()
+
+
 def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, caplog):
     """A store refused for want of room (every file pinned) is the budget
     working, not the disk failing: it fails its key and is reported on the

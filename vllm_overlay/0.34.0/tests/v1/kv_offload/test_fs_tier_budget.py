@@ -796,6 +796,23 @@ def test_an_evicted_file_that_cannot_be_removed_is_reported(tmp_path, caplog_vll
         tier.shutdown()
 
 
+def test_evicted_files_that_cannot_be_removed_stay_counted(tmp_path, monkeypatch):
+    """Every removal fails (not ENOENT): the evicted files stay and stay
+    counted, so stores are refused once they fill max_bytes, not written
+    beyond it store after store."""
+    rows = _page_aligned_zero_tensor(4, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    tier = make_tier(str(tmp_path / "kv"), rows, max_bytes=2 * page)
+    try:
+        assert tier._budget.scan_done.wait(30)
+        assert all(r.success for r in store_keys(tier, [block_key(0)], 0, rows))
+        monkeypatch.setattr(os, "remove", os.rmdir)  # ENOTDIR on a file
+        store_keys(tier, [block_key(n) for n in range(1, 10)], 1, rows)
+        assert disk_bytes(str(tmp_path / "kv")) <= 2 * 2 * page
+    finally:
+        tier.shutdown()
+
+
 def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(
     tmp_path, caplog_vllm
 ):

@@ -491,7 +491,7 @@ class FsTierBudget:
         self._remove(evicted)
 
     def _remove(self, evicted: Evicted) -> None:
-        errors, error, not_removed = 0, "", 0
+        errors, error, not_removed, stuck = 0, "", 0, 0
         shared = self._ledgers.shared  # set once, by the budget thread
         for h, groups, t in evicted:
             if shared and self._raised_elsewhere(h, groups, t):
@@ -507,13 +507,15 @@ class FsTierBudget:
                 except OSError as e:
                     errors, error = errors + 1, str(e)
                     not_removed += self._bytes(1 << g)
+                    stuck += self._bytes(1 << g)
         with self._lock:
             self.removal_errors += errors
             self.removed_bytes -= not_removed  # counted when evicted
-            if shared and not_removed:
-                # on disk but not indexed, or counted removed in others
-                # already; the next listing counts them
-                self.others += not_removed
+            # on disk but not indexed (a removal failed), or counted removed
+            # in others already: the next listing counts them
+            recount = not_removed if shared else stuck
+            if recount:
+                self.others += recount
                 self._relist = True
         with self._removing_lock:
             for h, _, _ in evicted:
