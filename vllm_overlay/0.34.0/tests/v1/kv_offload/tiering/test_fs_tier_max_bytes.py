@@ -191,3 +191,23 @@ def test_every_groups_file_of_a_chunk_is_evicted_at_once(tmp_path, rows):
         assert disk_bytes(tmp_path) <= 4 * page
     finally:
         tier.shutdown()
+
+
+def test_an_evicted_file_not_removed_stays_counted(tmp_path, rows, monkeypatch):
+    """An evicted file os.remove could not remove (not ENOENT) stays, and
+    stays counted: the next store makes room for it within max_bytes."""
+    tier = make_tier(tmp_path, rows, max_bytes=2 * page)
+    a, b, c, d = (block_key(i) for i in range(4))
+    try:
+        assert store(tier, [a], 0, rows)[0].success
+        assert store(tier, [b], 10, rows)[0].success
+        with monkeypatch.context() as m:
+            m.setattr(os, "remove", os.rmdir)  # ENOTDIR on a file
+            assert store(tier, [c], 20, rows)[0].success  # evicts a: it stays
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert on_disk(tier, [a]) == [True]
+        store(tier, [d], 30, rows)
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert disk_bytes(tmp_path) <= 2 * page
+    finally:
+        tier.shutdown()
