@@ -1825,6 +1825,32 @@ def test_evicted_files_that_cannot_be_removed_stay_counted(tmp_path, monkeypatch
         tier.shutdown()
 
 
+def test_a_file_a_hit_indexed_counts_once_within_max_bytes(tmp_path, monkeypatch):
+    """Another engine's files lookup() found, before this engine counted
+    that engine's ledger, are counted once, in this engine's index (the
+    others' bytes never go below zero): a store past max_bytes evicts for
+    them at once, not at the next listing."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9)  # hits index them
+    rows = _aligned_rows(8)
+    page = rows.shape[1]
+    root = str(tmp_path)
+    tier = make_tier(root, rows, max_bytes=4 * page)
+    other = make_tier(root, rows, max_bytes=64 * page)
+    try:
+        assert tier._budget.scan_done.wait(30) and other._budget.scan_done.wait(30)
+        keys = [key(i) for i in range(5)]
+        assert all(r.success for r in store_keys(other, keys[:4], 0, rows))
+        assert all(tier.lookup(k, _CTX) for k in keys[:4])
+        assert not list(tier.get_finished())  # the step ends: hits unpinned
+        assert all(r.success for r in store_keys(tier, keys[4:], 10, rows))
+        assert disk_bytes(root) <= 4 * page
+    finally:
+        tier.shutdown()
+        other.shutdown()
+
+
 def test_rejections_warn_rate_limited_and_failed_writes_stay_errors(tmp_path, caplog):
     """A store refused for want of room (every file pinned) is the budget
     working, not the disk failing: it fails its key and is reported on the

@@ -1939,6 +1939,32 @@ def test_what_the_budget_remembers_is_bounded(tmp_path, monkeypatch):
         tier.shutdown()
 
 
+def test_a_file_a_hit_indexed_counts_once_within_max_bytes(tmp_path, monkeypatch):
+    """Another engine's files lookup() found, before this engine counted
+    that engine's ledger, are counted once, in this engine's index (the
+    others' bytes never go below zero): a store past max_bytes evicts for
+    them at once, not at the next listing."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9)  # hits index them
+    rows = _page_aligned_zero_tensor(8, _ROW_ELEMENTS)
+    page = rows.numpy().strides[0]
+    root = str(tmp_path / "kv")
+    tier = make_tier(root, rows, max_bytes=4 * page)
+    other = make_tier(root, rows, max_bytes=64 * page)
+    try:
+        assert tier._budget.scan_done.wait(30) and other._budget.scan_done.wait(30)
+        keys = [block_key(i) for i in range(5)]
+        assert all(r.success for r in store_keys(other, keys[:4], 0, rows))
+        assert lookup_and_wait(tier, keys[:4]) == [LookupResult.HIT] * 4
+        tier.on_schedule_end(ScheduleEndContext((), ()))  # no promotion
+        assert all(r.success for r in store_keys(tier, keys[4:], 10, rows))
+        assert disk_bytes(root) <= 4 * page
+    finally:
+        tier.shutdown()
+        other.shutdown()
+
+
 def test_the_files_lookup_found_are_indexed_within_the_budget(tmp_path, monkeypatch):
     """Files lookup() found that the budget had not indexed (another
     engine's on a shared root) are indexed at the hit's order and counted

@@ -778,8 +778,10 @@ class FsTierBudget:
         order, groups = self._chunks[h]
         self._chunks[h] = (order, groups | bit)
         self.used += self._bytes(bit)
-        if self.scan_done.is_set():  # another engine's: counted in others
-            self.others -= self._bytes(bit)
+        if self.scan_done.is_set():
+            # another engine's: in others if its ledger was read since it was
+            # stored (a first reading counts nothing); never below nothing
+            self.others = max(0, self.others - self._bytes(bit))
             self._relist = True
         self._dirty.add(h)
         self._mark_changed(h)
