@@ -1660,6 +1660,26 @@ def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
     assert os.listdir(ledgers) == ["alive"]
 
 
+def test_a_link_at_the_ledger_directory_is_neither_read_nor_cleaned(tmp_path):
+    """A link where the ledgers' directory goes (with group_access, a member
+    of the group can put one there): no ledger is read through it, and the
+    removal of stale ledgers removes nothing where it points."""
+    from vllm.v1.kv_offload.tiering.fs import budget as budget_module
+
+    rank_dir = tmp_path / "rank"
+    rank_dir.mkdir()
+    target = tmp_path / "target"
+    target.mkdir()
+    old = target / "someones-file"
+    old.write_bytes(struct.pack("<qq", 8192, 0))
+    os.utime(old, (time.time() - 7200,) * 2)
+    os.symlink(target, rank_dir / budget_module.LEDGER_DIR)
+    ledgers = budget_module._Ledgers(str(rank_dir), 1 << 20, "fs")
+    assert ledgers.read_others() == {}
+    ledgers.remove_stale(60.0)
+    assert old.exists()
+
+
 def test_a_link_put_where_the_ledger_directory_was_made_is_not_followed(
     tmp_path, monkeypatch
 ):

@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """fs tiers of engines sharing a root keep ledger files of the bytes they
 stored and removed, and count each other's: the root stays within one
-max_bytes. Real fs tiers, real files."""
+max_bytes, shared. Real fs tiers, real files."""
 
+import itertools
 import os
 import struct
 import threading
@@ -33,8 +34,9 @@ def rows():
 
 @pytest.fixture(autouse=True)
 def quick_ledgers(monkeypatch):
-    """Ledgers read every 10 ms; no listing of the root after start (where
-    the tier has them)."""
+    """Ledgers read every 10 ms; no listing of the root after start. The
+    names but LEDGER_READ_S are the series' later budget's (it polls the
+    ledgers and lists the root), which this file also runs on: absent here."""
     for name, value in (("LEDGER_READ_S", 0.01), ("LEDGER_POLL_S", 0.01)):
         monkeypatch.setattr(budget_module, name, value, raising=False)
     monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 1e9, raising=False)
@@ -109,7 +111,7 @@ def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, rows):
         wait_until(lambda: len(ledgers(first)) == 2, "both engines' ledgers exist")
         assert store(first, keys[:4], 0, rows)[0].success
         wait_until(
-            lambda: getattr(second._budget, "others", 0) == 4 * page,
+            lambda: second._budget.others == 4 * page,
             "the second engine counts the first's four files",
         )
         assert [r.success for r in store(second, keys[4:], 10, rows)] == [False]
@@ -165,7 +167,8 @@ def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, rows, monkeypatch
     """A ledger not rewritten for LEDGER_STALE_S (its engine died) is
     removed, a live one is kept, and an engine removes its own at shutdown:
     the ledgers are bounded by the engines alive or recently dead."""
-    monkeypatch.setattr(budget_module, "LEDGER_STALE_S", 60.0, raising=False)
+    monkeypatch.setattr(budget_module, "LEDGER_STALE_S", 60.0)
+    # the later budget removes stale ledgers as it lists the root
     monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
     ledgers_at = make_ledger_dir(tmp_path, rows)
     for name, age in (("dead", 3600), ("alive", 0)):
@@ -210,3 +213,96 @@ def test_a_ledger_that_is_not_one_is_not_believed(tmp_path, rows):
         stopping.start()
         stopping.join(30)
         assert not stopping.is_alive()
+
+
+def test_an_engine_whose_files_fill_the_root_makes_room(tmp_path, rows, monkeypatch):
+    """The first engine's idle files fill the root: the second engine's
+    stores succeed all the same (the first evicts its least recently used
+    files down to its share), and the root is within max_bytes."""
+    # the later budget lists the root: the second evicts the first's files
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
+    make_ledger_dir(tmp_path, rows)
+    first = make_tier(tmp_path, rows, max_bytes=4 * page)
+    second = make_tier(tmp_path, rows, max_bytes=4 * page)
+    jobs = itertools.count(10)
+
+    def stepped_store(key):
+        def stored():
+            for tier in (first, second):
+                tier.on_schedule_end(ScheduleEndContext((), ()))
+            return store(second, [key], next(jobs), rows)[0].success
+
+        return stored
+
+    try:
+        assert store(first, [block_key(n) for n in range(4)], 0, rows)[0].success
+        budget = second._budget
+        wait_until(lambda: budget.used + budget.others == 4 * page, "it counts them")
+        for key in (block_key(10), block_key(11)):
+            wait_until(stepped_store(key), "the second stores a key")
+        assert on_disk(second, [block_key(10), block_key(11)]) == [True, True]
+        assert disk_bytes(tmp_path) <= 4 * page
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+@pytest.mark.parametrize("owner", ["writable by others", "another user's"])
+def test_a_ledger_another_user_could_write_is_not_counted(tmp_path, rows, owner):
+    """A ledger of 3 files another user owns or may write is not counted: the
+    engine keeps its 4 files; a ledger of its own that then holds 2 files is
+    (its 2 least recently used files go)."""
+    if owner == "another user's" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    ledgers_at = make_ledger_dir(tmp_path, rows)
+    planted, other = (os.path.join(ledgers_at, n) for n in ("planted", "other"))
+    write_ledger(planted, 3 * page, 0)
+    if owner == "another user's":
+        os.chown(planted, 65534, 65534)
+    else:
+        os.chmod(planted, 0o666)
+    write_ledger(other, 0, 0)
+    tier = make_tier(tmp_path, rows, max_bytes=4 * page)
+    keys = [block_key(n) for n in range(4)]
+    try:
+        for n, key in enumerate(keys):
+            assert store(tier, [key], 10 * n, rows)[0].success
+        foreign = {"planted", "other"}
+        mine = lambda: [v for k, v in ledgers(tier).items() if k not in foreign]  # noqa: E731
+        wait_until(lambda: mine() == [(4 * page, 0)], "its ledger holds 4 files")
+        write_ledger(other, 2 * page, 0)
+        wait_until(
+            step_and(tier, lambda: on_disk(tier, keys).count(True) <= 2),
+            "the engine counts the other ledger",
+        )
+        assert on_disk(tier, keys) == [False, False, True, True]
+    finally:
+        tier.shutdown()
+
+
+def test_a_linked_ledger_directory_is_not_followed(tmp_path, rows, caplog_vllm):
+    """The ledgers' directory is a link: the engine writes no ledger through
+    it (and counts none there), with a warning; its stores fit alone."""
+    ledgers_at = make_ledger_dir(tmp_path, rows)
+    os.rmdir(ledgers_at)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_ledger(str(elsewhere / "planted"), 3 * page, 0)
+    os.symlink(elsewhere, ledgers_at)
+    tier = make_tier(tmp_path, rows, max_bytes=4 * page)
+    keys = [block_key(n) for n in range(4)]
+    try:
+        wait_until(
+            lambda: (
+                "budget ledger" in caplog_vllm.text or len(os.listdir(elsewhere)) > 1
+            ),
+            "the engine warns (or writes through the link)",
+        )
+        assert os.listdir(elsewhere) == ["planted"]
+        for n, key in enumerate(keys):
+            assert store(tier, [key], 10 * n, rows)[0].success
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert on_disk(tier, keys) == [True] * 4
+    finally:
+        tier.shutdown()
+    assert os.listdir(elsewhere) == ["planted"]

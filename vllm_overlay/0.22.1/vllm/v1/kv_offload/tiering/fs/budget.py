@@ -1236,29 +1236,37 @@ class _Ledgers:
         """The other engines' ledgers (16-byte regular files). A change of
         the ledgers' directory (an engine came or went, even between two
         reads) asks for a listing."""
-        with contextlib.suppress(OSError):
-            mtime = os.stat(self._dir).st_mtime_ns
+        out: dict[str, Ledger] = {}
+        dir_fd = _open_dir(self._dir)
+        if dir_fd is None:
+            return out
+        try:
+            mtime = os.stat(dir_fd).st_mtime_ns
+            entries = _scandir(dir_fd)
             if mtime != self._dir_mtime:
                 self._dir_mtime = mtime
-                if self.shared or any(
-                    e.name != self._name for e in _scandir(self._dir)
-                ):
+                if self.shared or any(e.name != self._name for e in entries):
                     self.changed_at = time.monotonic()
-        out: dict[str, Ledger] = {}
-        for entry in _scandir(self._dir):
-            if entry.name == self._name:
-                continue
-            ledger = self._read(entry.path)
-            if ledger is not None and min(ledger) >= 0:
-                out[entry.name] = ledger
-                self.shared = True
+            for entry in entries:
+                if entry.name == self._name:
+                    continue
+                ledger = self._read(entry.name, dir_fd)
+                if ledger is not None and min(ledger) >= 0:
+                    out[entry.name] = ledger
+                    self.shared = True
+        except OSError:
+            pass  # read again at the next tick
+        finally:
+            os.close(dir_fd)
         return out
 
     @staticmethod
-    def _read(path: str) -> Ledger | None:
+    def _read(name: str, dir_fd: int) -> Ledger | None:
         try:  # O_NONBLOCK: a FIFO never blocks the budget thread
             fd = os.open(
-                path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                name,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=dir_fd,
             )
         except OSError:
             return None  # removed: its engine stopped
@@ -1338,13 +1346,19 @@ class _Ledgers:
     def remove_stale(self, stale_s: float) -> None:
         """Remove the ledgers not rewritten for stale_s (their engine died)."""
         deadline = time.time() - stale_s
-        for entry in _scandir(self._dir):
-            with contextlib.suppress(OSError):
-                if entry.name != self._name and (
-                    entry.stat(follow_symlinks=False).st_mtime < deadline
-                ):
-                    os.remove(entry.path)
-                    self._last.pop(entry.name, None)
+        dir_fd = _open_dir(self._dir)
+        if dir_fd is None:
+            return
+        try:
+            for entry in _scandir(dir_fd):
+                with contextlib.suppress(OSError):
+                    if entry.name != self._name and (
+                        entry.stat(follow_symlinks=False).st_mtime < deadline
+                    ):
+                        os.remove(entry.name, dir_fd=dir_fd)
+                        self._last.pop(entry.name, None)
+        finally:
+            os.close(dir_fd)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -1366,9 +1380,20 @@ def _listdir(path: str) -> list[os.DirEntry]:
         return []
 
 
-def _scandir(path: str):
+def _open_dir(path: str) -> int | None:
+    """The ledgers' directory, never through a link (with group_access a
+    member of the group could put one there): None where it is not one."""
     try:
-        with os.scandir(path) as it:
-            yield from it
+        return os.open(
+            path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
     except OSError:
-        return
+        return None
+
+
+def _scandir(dir_fd: int) -> list[os.DirEntry]:
+    try:
+        with os.scandir(dir_fd) as it:
+            return list(it)
+    except OSError:
+        return []
