@@ -1175,6 +1175,33 @@ def test_a_link_at_the_ledger_directory_is_neither_read_nor_cleaned(tmp_path):
     assert old.exists()
 
 
+def test_a_listing_counts_only_the_layouts_block_files(tmp_path):
+    """Entries a listing of the root finds that are not block files of the
+    layout (a group no KV cache group has, a name that is not a hash, a
+    directory or a FIFO named like a block) are neither counted nor
+    removed: a planted group directory cannot make a huge group mask."""
+    root = str(tmp_path)
+    h = "ab" * 32
+    group_dir = os.path.join(root, h[:3], f"{h[3:5]}_g0")
+    planted = [
+        os.path.join(root, h[:3], f"{h[3:5]}_g100000", f"{h}.bin"),
+        os.path.join(root, h[:3], f"{h[3:5]}_g 0", f"{h}.bin"),
+        os.path.join(group_dir, "ab cd.bin"),
+    ]
+    for path in planted:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    os.makedirs(os.path.join(group_dir, f"{'cd' * 32}.bin"))
+    os.mkfifo(os.path.join(group_dir, f"{'ef' * 32}.bin"))
+    budget, _ = _budget_on(root, 4)
+    try:
+        assert budget.used == 0
+    finally:
+        budget.shutdown()
+    assert all(os.path.exists(p) for p in planted)
+
+
 def test_a_dead_engines_ledger_is_removed_once_stale(tmp_path, monkeypatch):
     """A ledger not rewritten for LEDGER_STALE_S (its engine died) is
     removed at a listing, a live one is kept, and an engine removes its own

@@ -110,8 +110,10 @@ def test_engines_on_one_root_count_each_others_stores_at_once(tmp_path, rows):
     try:
         wait_until(lambda: len(ledgers(first)) == 2, "both engines' ledgers exist")
         assert store(first, keys[:4], 0, rows)[0].success
+        counted = second._budget
+        assert counted is not None
         wait_until(
-            lambda: second._budget.others == 4 * page,
+            lambda: counted.others == 4 * page,
             "the second engine counts the first's four files",
         )
         assert [r.success for r in store(second, keys[4:], 10, rows)] == [False]
@@ -237,6 +239,7 @@ def test_an_engine_whose_files_fill_the_root_makes_room(tmp_path, rows, monkeypa
     try:
         assert store(first, [block_key(n) for n in range(4)], 0, rows)[0].success
         budget = second._budget
+        assert budget is not None
         wait_until(lambda: budget.used + budget.others == 4 * page, "it counts them")
         for key in (block_key(10), block_key(11)):
             wait_until(stepped_store(key), "the second stores a key")

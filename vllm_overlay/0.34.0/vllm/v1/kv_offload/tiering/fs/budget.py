@@ -86,6 +86,7 @@ import contextlib
 import heapq
 import math
 import os
+import re
 import socket
 import stat
 import struct
@@ -221,6 +222,10 @@ def validate_max_bytes(max_bytes: object, min_bytes: int, tier_type: str) -> int
 def _bit(key: OffloadKey) -> int:
     """The key's group's bit in a group bitmask."""
     return 1 << int.from_bytes(key[-4:], "big")
+
+
+# a block file's name: its chunk id in lower-case hex (block_hash.hex())
+_BLOCK_NAME = re.compile(r"(?:[0-9a-f]{2})+\.bin")
 
 
 def _groups_of(bits: int) -> list[int]:
@@ -1058,23 +1063,30 @@ class FsTierBudget:
         files = 0
         for d1 in _listdir(self._rank_dir):
             for d2 in _listdir(d1.path) if d1.is_dir(follow_symlinks=False) else ():
-                sep = d2.name.find("_g")
-                if sep < 0 or not d2.is_dir(follow_symlinks=False):
+                # a KV cache group of this layout, in ASCII digits: not one
+                # whose mask someone writing into the root could make huge
+                group = d2.name[d2.name.find("_g") + 2 :]
+                if not (
+                    "_g" in d2.name
+                    and group.isascii()
+                    and group.isdigit()
+                    and int(group) < len(self._sizes)
+                    and d2.is_dir(follow_symlinks=False)
+                ):
                     continue
-                try:
-                    bit = 1 << int(d2.name[sep + 2 :])
-                except ValueError:
-                    continue
+                bit = 1 << int(group)
                 for f in _listdir(d2.path):
                     if self._stop:
                         return None
-                    if not f.name.endswith(".bin"):
+                    if not _BLOCK_NAME.fullmatch(f.name):
                         continue
                     try:
-                        h = bytes.fromhex(f.name[:-4])
-                        t = f.stat(follow_symlinks=False).st_mtime_ns
-                    except (ValueError, FileNotFoundError):
-                        continue  # not a block file, or removed since
+                        st = f.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed since
+                    if not stat.S_ISREG(st.st_mode):
+                        continue  # not a block file: neither counted nor removed
+                    h, t = bytes.fromhex(f.name[:-4]), st.st_mtime_ns
                     old = found.get(h, (t, 0))
                     found[h] = (max(t, old[0]), old[1] | bit)
                     files += 1
