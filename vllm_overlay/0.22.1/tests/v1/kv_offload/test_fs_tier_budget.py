@@ -1178,8 +1178,9 @@ def test_a_link_at_the_ledger_directory_is_neither_read_nor_cleaned(tmp_path):
 def test_a_listing_counts_only_the_layouts_block_files(tmp_path):
     """Entries a listing of the root finds that are not block files of the
     layout (a group no KV cache group has, a name that is not a hash, a
-    directory or a FIFO named like a block) are neither counted nor
-    removed: a planted group directory cannot make a huge group mask."""
+    directory or a FIFO named like a block, a file not at its hash's path)
+    are neither counted nor removed: a planted group directory cannot make
+    a huge group mask."""
     root = str(tmp_path)
     h = "ab" * 32
     group_dir = os.path.join(root, h[:3], f"{h[3:5]}_g0")
@@ -1187,6 +1188,7 @@ def test_a_listing_counts_only_the_layouts_block_files(tmp_path):
         os.path.join(root, h[:3], f"{h[3:5]}_g100000", f"{h}.bin"),
         os.path.join(root, h[:3], f"{h[3:5]}_g 0", f"{h}.bin"),
         os.path.join(group_dir, "ab cd.bin"),
+        os.path.join(root, "000", "00_g0", f"{h}.bin"),  # not where h goes
     ]
     for path in planted:
         os.makedirs(os.path.dirname(path), exist_ok=True)

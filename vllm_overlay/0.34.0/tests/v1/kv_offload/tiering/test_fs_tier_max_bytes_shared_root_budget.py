@@ -19,7 +19,7 @@ from tests.v1.kv_offload.tiering.test_fs_tier_max_bytes import (
     page,
     store,
 )
-from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.tiering.fs import budget as budget_module
 
 
@@ -30,10 +30,8 @@ def rows():
 
 @pytest.fixture(autouse=True)
 def fast_listings(monkeypatch):
-    # raising=False: a budget may list the root on other cues
-    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05, raising=False)
-    monkeypatch.setattr(budget_module, "RESCAN_COST_FACTOR", 1, raising=False)
-    monkeypatch.setattr(budget_module, "LEDGER_POLL_S", 0.01, raising=False)
+    monkeypatch.setattr(budget_module, "ROOT_RESCAN_S", 0.05)
+    monkeypatch.setattr(budget_module, "RESCAN_COST_FACTOR", 1)
 
 
 def files_on(root) -> int:
@@ -54,10 +52,10 @@ def wait_for(cond, *tiers, timeout: float = 30.0) -> bool:
 
 
 def counted(tier) -> int:
-    """The root's bytes the tier's budget counts (files it indexed, and the
-    other engines' stores it knows of otherwise, if it keeps those apart)."""
+    """The root's bytes the tier's budget counts."""
     budget = tier._budget
-    return budget.used + getattr(budget, "others", 0)
+    assert budget is not None
+    return budget.used
 
 
 def mtime(tier, key) -> int:
@@ -136,7 +134,8 @@ def test_a_file_another_engine_used_since_is_not_evicted(tmp_path, rows):
     try:
         for i in range(3):
             assert store(first, [keys[i]], 10 * i, rows)[0].success
-        # a budget that knows of the others from their ledgers has read one
+        # for the series' later budget: it looks for the others' hits (the
+        # mtimes) once it has read another engine's ledger on the root
         ledgers = getattr(first._budget, "_ledgers", None)
         assert wait_for(lambda: ledgers is None or ledgers.shared, first, second)
         now = time.time_ns()
@@ -148,3 +147,43 @@ def test_a_file_another_engine_used_since_is_not_evicted(tmp_path, rows):
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def plant(path: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(page)
+    return path
+
+
+@pytest.mark.parametrize("group", [None, 1 << 16], ids=["not_block_files", "group"])
+def test_only_the_tiers_block_files_are_counted(tmp_path, rows, group):
+    """Entries of the root that are not block files of the tier's layout
+    are neither counted nor removed: a link, a directory, a misplaced file,
+    a file of a KV cache group the tier lacks."""
+    other = make_tier(tmp_path, rows)  # unbudgeted: an earlier run's file
+    keys = [block_key(i) for i in range(7)]
+    assert store(other, [keys[0]], 0, rows)[0].success
+    path = other.file_mapper.get_file_name
+    if group is None:
+        planted = [plant(path(keys[1])), path(keys[2])]
+        os.remove(planted[0])
+        os.symlink(path(keys[0]), planted[0])
+        os.mkdir(planted[1])
+        rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(path(keys[4]))))
+        name = os.path.basename(path(keys[4]))
+        planted.append(plant(os.path.join(rank_dir, "000", "00_g0", name)))
+    else:
+        planted = [plant(path(make_offload_key(keys[1][:-4], group)))]
+    tier = make_tier(tmp_path, rows, max_bytes=2 * page)
+    try:
+        assert wait_for(lambda: counted(tier) == page, tier, timeout=10), (
+            f"{counted(tier)} bytes counted, {page} are the tier's"
+        )
+        for i in (5, 6):  # the second evicts the tier's oldest: keys[0]
+            assert store(tier, [keys[i]], 10 * i, rows)[0].success
+        assert on_disk(tier, [keys[0], keys[5], keys[6]]) == [False, True, True]
+    finally:
+        tier.shutdown()
+        other.shutdown()
+    assert [os.path.lexists(p) for p in planted] == [True] * len(planted)

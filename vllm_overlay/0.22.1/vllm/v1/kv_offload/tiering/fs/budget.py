@@ -1084,9 +1084,12 @@ class FsTierBudget:
                         st = f.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue  # removed since
-                    if not stat.S_ISREG(st.st_mode):
-                        continue  # not a block file: neither counted nor removed
                     h, t = bytes.fromhex(f.name[:-4]), st.st_mtime_ns
+                    if (
+                        not stat.S_ISREG(st.st_mode)
+                        or self._chunk_path(h, int(group)) != f.path
+                    ):
+                        continue  # not a block file: neither counted nor removed
                     old = found.get(h, (t, 0))
                     found[h] = (max(t, old[0]), old[1] | bit)
                     files += 1
