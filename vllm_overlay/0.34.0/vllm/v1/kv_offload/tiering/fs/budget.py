@@ -86,7 +86,6 @@ import contextlib
 import heapq
 import math
 import os
-import re
 import socket
 import stat
 import struct
@@ -95,6 +94,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import islice
+
+import regex as re
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import OffloadKey
